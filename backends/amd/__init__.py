@@ -1,0 +1,71 @@
+"""The AMD ROCm backend: ``torch.cuda`` devices of a ROCm build of torch.
+
+Detection: ``torch.version.hip`` is set (``tryfirst``, ahead of the NVIDIA backend). The
+architecture is the ``gcnArchName`` (``gfx942``); CDNA parts (gfx9xx) run 64-lane
+wavefronts (``wave64``), RDNA parts 32-lane ones.
+
+Emulation profiles: ``mi300x``, ``mi250x``.
+"""
+from __future__ import annotations
+
+import torch
+
+from portable_kernels import DeviceInfo, hookimpl
+from portable_kernels_backends import _common
+
+from . import tuning
+
+VENDOR = "amd"
+
+
+def capabilities(arch: str) -> frozenset[str]:
+    """The capability words of a ``gfx`` architecture."""
+    caps = {"mma", "bf16", "fp64", "atomics", "libdevice"}
+    if is_cdna(arch):
+        caps.add("wave64")
+    if arch in ("gfx940", "gfx941", "gfx942", "gfx950"):
+        caps.add("fp8")
+    return frozenset(caps)
+
+
+def is_cdna(arch: str) -> bool:
+    """CDNA (Instinct) parts are gfx9xx; their wavefronts are 64 lanes wide."""
+    return arch.startswith("gfx9")
+
+
+def _info(name: str, arch: str, num_cus: int, lds: int) -> DeviceInfo:
+    return DeviceInfo(
+        vendor=VENDOR,
+        arch=arch,
+        name=name,
+        warp_size=64 if is_cdna(arch) else 32,
+        num_sms=num_cus,
+        shared_memory=lds,
+        triton_version=_common.triton_version(),
+        capabilities=capabilities(arch),
+        backend=VENDOR,
+    )
+
+
+@hookimpl(tryfirst=True)
+def pk_detect_device(device):
+    if device.type != "cuda" or not torch.version.hip:
+        return None
+    p = _common.props(device)
+    arch = p.gcn_arch.split(":")[0] or f"gfx{p.major}{p.minor}"
+    return _info(p.name, arch, p.num_sms, p.shared_memory or 65536)
+
+
+@hookimpl
+def pk_emulation_profiles():
+    return {
+        "mi300x": _info("AMD Instinct MI300X", "gfx942", 304, 65536),
+        "mi250x": _info("AMD Instinct MI250X", "gfx90a", 110, 65536),
+    }
+
+
+@hookimpl
+def pk_tuning_configs(kernel, variant, device):
+    if device.vendor != VENDOR:
+        return None
+    return tuning.configs(kernel, variant.name, device)

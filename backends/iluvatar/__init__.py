@@ -1,0 +1,66 @@
+"""The Iluvatar CoreX backend (天数智芯): BI-V100/BI-V150 and later, through ``torch.cuda``.
+
+Detection (``tryfirst``, ahead of the NVIDIA backend): the device name starts with
+"Iluvatar" or the torch build has ``torch.corex``. CoreX reports compute capability 7.x and
+64-lane warps; its Triton lowers tensor descriptors to pointer loads and has no warp
+specialization, so neither capability is claimed.
+
+Emulation profiles: ``bi150``, ``bi100``.
+"""
+from __future__ import annotations
+
+import torch
+
+from portable_kernels import DeviceInfo, hookimpl
+from portable_kernels_backends import _common
+
+from . import tuning
+
+VENDOR = "iluvatar"
+CAPABILITIES = frozenset({"mma", "bf16", "fp64", "atomics", "libdevice", "wave64"})
+
+
+def is_corex(device: torch.device) -> bool:
+    """Whether ``device`` (a cuda device) is an Iluvatar CoreX GPU."""
+    if getattr(torch, "corex", None):
+        return True
+    return torch.cuda.get_device_name(device).startswith("Iluvatar")
+
+
+def _info(name: str, major: int, minor: int, num_sms: int, shared_memory: int) -> DeviceInfo:
+    return DeviceInfo(
+        vendor=VENDOR,
+        arch=f"ivcore{major}{minor}",
+        name=name,
+        warp_size=64,
+        num_sms=num_sms,
+        shared_memory=shared_memory,
+        triton_version=_common.triton_version(),
+        capabilities=CAPABILITIES,
+        backend=VENDOR,
+    )
+
+
+@hookimpl(tryfirst=True)
+def pk_detect_device(device):
+    if device.type != "cuda" or torch.version.hip or not is_corex(device):
+        return None
+    p = _common.props(device)
+    return _info(p.name, p.major, p.minor, p.num_sms, p.shared_memory)
+
+
+@hookimpl
+def pk_emulation_profiles():
+    # SM counts and shared memory are the public figures as far as known; selection does
+    # not depend on them.
+    return {
+        "bi150": _info("Iluvatar BI-V150", 7, 1, 64, 131072),
+        "bi100": _info("Iluvatar BI-V100", 7, 0, 64, 131072),
+    }
+
+
+@hookimpl
+def pk_tuning_configs(kernel, variant, device):
+    if device.vendor != VENDOR:
+        return None
+    return tuning.configs(kernel, variant.name, device)

@@ -1,0 +1,72 @@
+"""The NVIDIA backend: CUDA devices by compute capability.
+
+Detection: any ``torch.cuda`` device that neither the AMD (``torch.version.hip``) nor the
+Iluvatar backend claimed (both detect ``tryfirst``; this one runs ``trylast``).
+Capabilities follow the compute capability: ``mma`` from sm_70, ``bf16`` from sm_80,
+``fp8`` from sm_89, and ``wgmma``, ``tensor_descriptor`` and ``warp_specialize`` from sm_90.
+
+Emulation profiles: ``h100``, ``h200``, ``a100``.
+"""
+from __future__ import annotations
+
+import torch
+
+from portable_kernels import DeviceInfo, hookimpl
+from portable_kernels_backends import _common
+
+from . import tuning
+
+VENDOR = "nvidia"
+
+
+def capabilities(major: int, minor: int) -> frozenset[str]:
+    """The capability words of compute capability ``major.minor``."""
+    caps = {"fp64", "atomics", "libdevice"}
+    cc = (major, minor)
+    if cc >= (7, 0):
+        caps.add("mma")
+    if cc >= (8, 0):
+        caps.add("bf16")
+    if cc >= (8, 9):
+        caps.add("fp8")
+    if cc >= (9, 0):
+        caps |= {"wgmma", "tensor_descriptor", "warp_specialize"}
+    return frozenset(caps)
+
+
+def _info(name: str, major: int, minor: int, num_sms: int, shared_memory: int) -> DeviceInfo:
+    return DeviceInfo(
+        vendor=VENDOR,
+        arch=f"sm_{major}{minor}",
+        name=name,
+        warp_size=32,
+        num_sms=num_sms,
+        shared_memory=shared_memory,
+        triton_version=_common.triton_version(),
+        capabilities=capabilities(major, minor),
+        backend=VENDOR,
+    )
+
+
+@hookimpl(trylast=True)
+def pk_detect_device(device):
+    if device.type != "cuda" or torch.version.hip:
+        return None
+    p = _common.props(device)
+    return _info(p.name, p.major, p.minor, p.num_sms, p.shared_memory)
+
+
+@hookimpl
+def pk_emulation_profiles():
+    return {
+        "h100": _info("NVIDIA H100 80GB HBM3", 9, 0, 132, 232448),
+        "h200": _info("NVIDIA H200", 9, 0, 132, 232448),
+        "a100": _info("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912),
+    }
+
+
+@hookimpl
+def pk_tuning_configs(kernel, variant, device):
+    if device.vendor != VENDOR:
+        return None
+    return tuning.configs(kernel, variant.name, device)

@@ -1,0 +1,343 @@
+"""Selection and dispatch: from a call's tensors to the variant that runs it.
+
+Per call, a :class:`KernelHandle` builds the family's problem tuple (device, dtype, ...),
+reads the selection context (emulation, forced variants) and looks both up in a dict. Only
+on a miss does it detect the device, check every variant's requirements and predicate,
+rank the runnable ones by priority and build a launch plan. So the steady state costs one
+cheap tuple, one ContextVar read and one dict lookup on top of the family's launcher.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+from . import _context, plugins
+from .device import DeviceInfo
+from .errors import NoVariantError, VariantUnavailableError
+from .launch import LaunchPlan
+from .registry import KernelSpec, Variant
+
+__all__ = [
+    "KernelHandle",
+    "Selection",
+    "Verdict",
+    "device_info",
+    "explain",
+    "get_kernel",
+    "list_kernels",
+    "list_variants",
+    "use_variant",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One variant as selection saw it."""
+
+    name: str
+    plugin: str
+    priority: int
+    runnable: bool
+    reason: str  # why it was rejected, or why it won / lost on priority
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The outcome of selection for one kernel, device and problem; ``explain`` returns it.
+
+    Attributes:
+        kernel: the kernel's name.
+        variant: the chosen variant's name.
+        device: the DeviceInfo selection saw (an emulated profile while emulating).
+        executor: the DeviceInfo of the device that executes the kernel.
+        forced: True when ``use_variant``/``PK_VARIANT`` chose the variant.
+        verdicts: every registered variant, the chosen one first, then by priority.
+        problem: the problem tuple (``None`` when explained without arguments).
+    """
+
+    kernel: str
+    variant: str
+    device: DeviceInfo
+    executor: DeviceInfo
+    forced: bool
+    verdicts: tuple[Verdict, ...]
+    problem: Any = None
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen variant was chosen."""
+        return self.verdicts[0].reason
+
+    def to_dict(self) -> dict:
+        return {
+            "kernel": self.kernel,
+            "variant": self.variant,
+            "reason": self.reason,
+            "forced": self.forced,
+            "device": self.device.to_dict(),
+            "executor": self.executor.to_dict(),
+            "problem": None if self.problem is None else {
+                k: str(v) for k, v in self.problem._asdict().items()},
+            "variants": [v.to_dict() for v in self.verdicts],
+        }
+
+    def __str__(self) -> str:
+        dev = self.device
+        where = f"{dev.name} ({dev.vendor} {dev.arch})"
+        if dev.emulated:
+            where += f", emulated as {dev.emulated!r} on {self.executor.name}"
+        lines = [f"{self.kernel} on {where}: {self.variant}", f"  why: {self.reason}"]
+        for v in self.verdicts[1:]:
+            mark = "runnable" if v.runnable else "rejected"
+            lines.append(f"  {v.name} [{v.plugin}, priority {v.priority}] {mark}: {v.reason}")
+        return "\n".join(lines)
+
+
+def _spec(name: str) -> KernelSpec:
+    return plugins.host().registry.spec(name)
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        # Tensors always carry an index; so must cache keys and detection.
+        mod = getattr(torch, device.type, None)
+        index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0
+        device = torch.device(device.type, index)
+    return device
+
+
+def _devices(torch_device: torch.device, ctx: _context.SelectionContext) -> tuple[DeviceInfo, DeviceInfo]:
+    """(the device selection sees, the device that executes)."""
+    host = plugins.host()
+    real = host.detect(torch_device)
+    emulation = ctx.emulation if ctx.emulation is not None else host.env_emulation
+    if emulation:
+        return host.emulation_profile(emulation), real
+    return real, real
+
+
+def _forced(name: str, ctx: _context.SelectionContext) -> str | None:
+    forced = dict(plugins.host().env_forced)
+    forced.update(ctx.forced)
+    return forced.get(name)
+
+
+def select(
+    name: str,
+    problem: NamedTuple | None,
+    torch_device: torch.device,
+    ctx: _context.SelectionContext | None = None,
+) -> Selection:
+    """Choose the variant of ``name`` for ``problem`` on ``torch_device``.
+
+    Raises:
+        VariantUnavailableError: a forced variant cannot run here (the message says why).
+        NoVariantError: no variant can run; the message lists each and why it was rejected.
+    """
+    host = plugins.host()
+    spec = host.registry.spec(name)
+    ctx = _context.current.get() if ctx is None else ctx
+    info, real = _devices(torch_device, ctx)
+    verdicts: list[Verdict] = []
+    for variant in host.registry.variants[spec.name].values():
+        priority = variant.priority_on(info)
+        reason = _rejection(variant, problem, info, real)
+        verdicts.append(Verdict(variant.name, variant.plugin, priority, reason is None, reason or ""))
+
+    forced = _forced(name, ctx)
+    runnable = sorted((v for v in verdicts if v.runnable), key=lambda v: (-v.priority, v.name))
+    if forced is not None:
+        chosen = next((v for v in verdicts if v.name == forced), None)
+        if chosen is None:
+            raise VariantUnavailableError(
+                f"{name}: forced variant {forced!r} is not registered; registered: "
+                f"{', '.join(v.name for v in verdicts)}"
+            )
+        if not chosen.runnable:
+            raise VariantUnavailableError(
+                f"{name}: forced variant {forced!r} cannot run on {info.name}: {chosen.reason}"
+            )
+        why = "forced by use_variant/PK_VARIANT"
+    else:
+        if not runnable:
+            detail = "; ".join(f"{v.name}: {v.reason}" for v in verdicts) or "no variants registered"
+            raise NoVariantError(f"{name}: no variant can run on {info.name} ({info.arch}): {detail}")
+        chosen = runnable[0]
+        losers = [v for v in runnable[1:]]
+        why = f"highest priority ({chosen.priority}) among runnable variants"
+        if not losers:
+            why = f"the only runnable variant (priority {chosen.priority})"
+    ordered = [dataclasses.replace(chosen, reason=why)]
+    for v in sorted(verdicts, key=lambda v: (not v.runnable, -v.priority, v.name)):
+        if v.name == chosen.name:
+            continue
+        if v.runnable:
+            v = dataclasses.replace(v, reason=f"runnable, passed over for {chosen.name}"
+                                    + ("" if forced else f" (priority {v.priority} < {chosen.priority})"
+                                       if v.priority < chosen.priority else " (tie broken by name)"))
+        ordered.append(v)
+    return Selection(spec.name, chosen.name, info, real, forced is not None, tuple(ordered), problem)
+
+
+def _rejection(variant: Variant, problem: Any, info: DeviceInfo, real: DeviceInfo) -> str | None:
+    missing = variant.missing(info)
+    if missing:
+        return f"requires {', '.join(sorted(missing))}, which {info.name} lacks"
+    if real is not info:
+        missing = variant.missing(real)
+        if missing:
+            return (f"requires {', '.join(sorted(missing))}, which the executing device "
+                    f"{real.name} lacks (emulating {info.emulated})")
+    if problem is None:
+        return None
+    if variant.accepts is not None:
+        return variant.accepts(problem, info)
+    return None
+
+
+def _launch_plan(selection: Selection) -> LaunchPlan:
+    host = plugins.host()
+    key = (selection.kernel, selection.variant, selection.executor)
+    plan = host.launch_plans.get(key)
+    if plan is None:
+        variant = host.registry.variants[selection.kernel][selection.variant]
+        device = selection.executor
+        configs = host.call("pk_tuning_configs", firstresult=True,
+                            kernel=variant.kernel, variant=variant, device=device)
+        if configs is None and variant.configs is not None:
+            configs = variant.configs(device)
+        switches = dict(variant.switches)
+        switches.update(host.call("pk_variant_switches", firstresult=True,
+                                  kernel=variant.kernel, variant=variant, device=device) or {})
+        plan = host.launch_plans[key] = LaunchPlan(variant, device, configs or [], switches)
+    return plan
+
+
+class KernelHandle:
+    """A callable kernel: each call runs the best variant for its tensors' device.
+
+    Get one with :func:`get_kernel`. The handle itself holds no device state, so one
+    handle serves CPU and GPU tensors alike.
+    """
+
+    __slots__ = ("name", "_host", "_problem", "_cache", "summary")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._host: plugins.PluginHost | None = None
+        self._bind()
+
+    def _bind(self) -> None:
+        host = plugins.host()
+        spec = host.registry.spec(self.name)
+        self._problem = spec.problem
+        self._cache = host.plans.setdefault(spec.name, {})
+        self.summary = f"{spec.name}{spec.signature}: {spec.summary}"
+        self._host = host
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if plugins._HOST is not self._host:
+            self._bind()
+        key = (self._problem(*args, **kwargs), _context.current.get())
+        plan = self._cache.get(key)
+        if plan is None:
+            plan = self._resolve(key)
+        return plan.launch(plan, *args, **kwargs)
+
+    def _resolve(self, key: tuple) -> LaunchPlan:
+        problem, ctx = key
+        selection = select(self.name, problem, problem.device, ctx)
+        plan = _launch_plan(selection)
+        self._cache[key] = plan
+        return plan
+
+    def select(self, *args: Any, **kwargs: Any) -> Selection:
+        """The selection this call would make, without launching."""
+        problem = self._problem(*args, **kwargs)
+        return select(self.name, problem, problem.device)
+
+    def __repr__(self) -> str:
+        return f"<portable_kernels kernel {self.name!r}>"
+
+
+def get_kernel(name: str) -> KernelHandle:
+    """The kernel called ``name``; ``KeyError`` listing the known kernels otherwise."""
+    return KernelHandle(name)
+
+
+def list_kernels() -> list[str]:
+    """Names of every declared kernel, sorted."""
+    return sorted(plugins.host().registry.kernels)
+
+
+def list_variants(name: str, device: Any = None) -> list[str]:
+    """Variants of kernel ``name``: all registered ones, or with ``device`` those whose
+    requirements it meets (what it *can run*), best priority first."""
+    host = plugins.host()
+    spec = host.registry.spec(name)
+    variants = list(host.registry.variants[spec.name].values())
+    if device is None:
+        return sorted(v.name for v in variants)
+    ctx = _context.current.get()
+    info, real = _devices(_resolve_device(device), ctx)
+    ok = [v for v in variants if _rejection(v, None, info, real) is None]
+    return [v.name for v in sorted(ok, key=lambda v: (-v.priority_on(info), v.name))]
+
+
+def device_info(device: Any = None) -> DeviceInfo:
+    """The ``DeviceInfo`` selection uses for ``device`` (a ``torch.device`` or string;
+    default: the current CUDA device if there is one, else the CPU). While emulating,
+    the emulated profile."""
+    ctx = _context.current.get()
+    return _devices(_resolve_device(device), ctx)[0]
+
+
+def explain(name: str, *args: Any, device: Any = None, **kwargs: Any) -> Selection:
+    """Which variant of ``name`` would run, and why each other one would not.
+
+    With arguments (the kernel's own), selection sees their device and problem; without,
+    it uses ``device`` (default as :func:`device_info`) and skips the problem predicates.
+    """
+    spec = _spec(name)
+    if args or kwargs:
+        problem = spec.problem(*args, **kwargs)
+        return select(spec.name, problem, problem.device)
+    return select(spec.name, None, _resolve_device(device))
+
+
+@contextlib.contextmanager
+def use_variant(**forced: str) -> Iterator[None]:
+    """Force variants inside the block: ``with pk.use_variant(softmax="generic"):``.
+
+    A forced variant that cannot run on a call's device or problem raises
+    :class:`VariantUnavailableError` saying why; another variant is never run instead.
+    Unknown kernel or variant names raise ``KeyError`` at once.
+    """
+    registry = plugins.host().registry
+    for kernel, variant in forced.items():
+        spec = registry.spec(kernel)
+        if variant not in registry.variants[spec.name]:
+            raise KeyError(
+                f"{kernel} has no variant {variant!r}; registered: "
+                f"{', '.join(sorted(registry.variants[spec.name]))}"
+            )
+    ctx = _context.current.get()
+    merged = dict(ctx.forced)
+    merged.update(forced)
+    token = _context.current.set(ctx._replace(forced=tuple(sorted(merged.items()))))
+    try:
+        yield
+    finally:
+        _context.current.reset(token)
+

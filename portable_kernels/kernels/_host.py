@@ -1,0 +1,71 @@
+"""Host-side checks shared by the launchers: errors that name the kernel, argument and problem.
+
+Every check runs before any allocation or launch, so bad input never reaches Triton.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..device import DeviceInfo
+from ..errors import DTypeError, InputError
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def tensor_device(kernel: str, arg: str, value: Any) -> torch.device:
+    """``value.device``, or ``TypeError`` when ``value`` is not a tensor."""
+    try:
+        return value.device
+    except AttributeError:
+        raise DTypeError(
+            f"{kernel}: {arg} must be a torch.Tensor, got {type(value).__name__}"
+        ) from None
+
+
+def same_device(kernel: str, **tensors: Any) -> torch.device:
+    """The one device all ``tensors`` live on; ``ValueError`` naming them otherwise."""
+    devices = {name: tensor_device(kernel, name, t) for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        where = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise InputError(f"{kernel}: tensors must be on one device, got {where}")
+    return first
+
+
+def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
+    """``TypeError`` when ``t``'s dtype is not in ``allowed``."""
+    if t.dtype not in allowed:
+        names = ", ".join(_dtype_name(d) for d in allowed)
+        raise DTypeError(f"{kernel}: {arg} has dtype {_dtype_name(t.dtype)}; supported: {names}")
+
+
+def check_same_dtype(kernel: str, **tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype of ``tensors``; ``TypeError`` naming them otherwise."""
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    first = next(iter(dtypes.values()))
+    if any(d != first for d in dtypes.values()):
+        what = ", ".join(f"{n} is {_dtype_name(d)}" for n, d in dtypes.items())
+        raise DTypeError(f"{kernel}: dtypes must match, but {what}")
+    return first
+
+
+def check_same_shape(kernel: str, **tensors: torch.Tensor) -> None:
+    """``ValueError`` naming the shapes when ``tensors`` differ in shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(shapes.values()))
+    if any(s != first for s in shapes.values()):
+        what = ", ".join(f"{n} {s}" for n, s in shapes.items())
+        raise InputError(f"{kernel}: shapes must match, got {what}")
+
+
+def dtype_supported(problem: Any, device: DeviceInfo) -> str | None:
+    """A variant predicate: bf16 problems need the device's ``bf16`` capability."""
+    if problem.dtype == torch.bfloat16 and not device.has("bf16"):
+        return f"bfloat16 inputs need the bf16 capability, which {device.name} lacks"
+    return None

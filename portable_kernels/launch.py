@@ -1,0 +1,88 @@
+"""What a family's host launcher receives: the chosen variant's switches and configs.
+
+A :class:`LaunchPlan` is built once per (kernel, variant, executing device) and cached, so
+autotuning results and compiled kernels are shared by every call that selects the same
+variant on the same device.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+import triton
+
+from .device import DeviceInfo
+from .registry import Variant
+
+__all__ = ["LaunchPlan"]
+
+
+class LaunchPlan:
+    """The variant chosen for a device, ready to launch.
+
+    Attributes:
+        variant: the :class:`Variant`.
+        device: the ``DeviceInfo`` of the device that executes (never an emulated one).
+        configs: the ``triton.Config`` list for this variant on this device.
+        switches: the constexpr switches to pass to the family's kernels.
+        launch: ``variant.launch``, bound here so that the hot path is one attribute read.
+    """
+
+    __slots__ = ("variant", "device", "configs", "switches", "launch", "_tuned", "_lock")
+
+    def __init__(
+        self,
+        variant: Variant,
+        device: DeviceInfo,
+        configs: Sequence[triton.Config],
+        switches: Mapping[str, Any],
+    ) -> None:
+        self.variant = variant
+        self.device = device
+        self.configs = list(configs)
+        self.switches = dict(switches)
+        self.launch = variant.launch
+        self._tuned: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def config(self) -> triton.Config:
+        """The first config, for launchers that size blocks themselves instead of tuning."""
+        if not self.configs:
+            raise LookupError(
+                f"{self.variant.kernel}/{self.variant.name}: no tuning configs for "
+                f"{self.device.name}; a backend's pk_tuning_configs or the variant's "
+                "configs must supply at least one"
+            )
+        return self.configs[0]
+
+    def autotuned(self, fn: Any, key: Sequence[str], **autotune_kwargs: Any) -> Any:
+        """``fn`` (a ``@triton.jit`` kernel) wrapped in ``triton.autotune`` over this plan's
+        configs, keyed on the argument names ``key``. Built once per plan and kernel.
+
+        ``autotune_kwargs`` go to ``triton.autotune`` (``prune_configs_by``,
+        ``reset_to_zero``, ...). With a single config no benchmarking happens, which is
+        what the interpreter needs.
+        """
+        tuned = self._tuned.get(fn)
+        if tuned is None:
+            with self._lock:
+                tuned = self._tuned.get(fn)
+                if tuned is None:
+                    _ = self.config  # clear error when there are none
+                    tuned = triton.autotune(configs=self.configs, key=list(key), **autotune_kwargs)(fn)
+                    self._tuned[fn] = tuned
+        return tuned
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """A per-plan memo for launchers (e.g. block sizes derived from the config)."""
+        value = self._tuned.get(key)
+        if value is None:
+            value = self._tuned[key] = build()
+        return value
+
+    def __repr__(self) -> str:
+        return (
+            f"LaunchPlan({self.variant.kernel}/{self.variant.name} on {self.device.name}, "
+            f"{len(self.configs)} config(s), switches={self.switches})"
+        )
