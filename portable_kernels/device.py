@@ -8,8 +8,8 @@ is an error instead of a variant that silently never runs.
 
 Emulation (``PK_EMULATE=<profile>`` or :func:`emulate`) makes detection report a profile's
 ``DeviceInfo`` (an H100, an MI300X, an Iluvatar BI-150, ...) so that *selection* can be
-tested on any machine; kernels still execute on the real device, and a variant is only
-selected when the real device can execute it too.
+tested on any machine. Kernels still execute on the real device; calling a variant the real
+device cannot execute raises ``VariantUnavailableError`` rather than running another.
 """
 from __future__ import annotations
 
@@ -123,9 +123,8 @@ class DeviceInfo:
 def emulate(profile: str | None) -> Iterator[None]:
     """Make device detection report the ``profile``'s DeviceInfo inside the block.
 
-    Kernels still run on the real device; only selection sees the profile (and a variant
-    is selected only if the real device can execute it too). ``None`` turns emulation off
-    inside the block, even where ``PK_EMULATE`` is set.
+    Kernels still run on the real device; only selection sees the profile. ``None`` turns
+    emulation off inside the block, even where ``PK_EMULATE`` is set.
 
     Example::
 

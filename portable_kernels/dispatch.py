@@ -152,7 +152,7 @@ def select(
     verdicts: list[Verdict] = []
     for variant in host.registry.variants[spec.name].values():
         priority = variant.priority_on(info)
-        reason = _rejection(variant, problem, info, real)
+        reason = _rejection(variant, problem, info)
         verdicts.append(Verdict(variant.name, variant.plugin, priority, reason is None, reason or ""))
 
     forced = _forced(name, ctx)
@@ -190,18 +190,11 @@ def select(
     return Selection(spec.name, chosen.name, info, real, forced is not None, tuple(ordered), problem)
 
 
-def _rejection(variant: Variant, problem: Any, info: DeviceInfo, real: DeviceInfo) -> str | None:
+def _rejection(variant: Variant, problem: Any, info: DeviceInfo) -> str | None:
     missing = variant.missing(info)
     if missing:
         return f"requires {', '.join(sorted(missing))}, which {info.name} lacks"
-    if real is not info:
-        missing = variant.missing(real)
-        if missing:
-            return (f"requires {', '.join(sorted(missing))}, which the executing device "
-                    f"{real.name} lacks (emulating {info.emulated})")
-    if problem is None:
-        return None
-    if variant.accepts is not None:
+    if problem is not None and variant.accepts is not None:
         return variant.accepts(problem, info)
     return None
 
@@ -213,6 +206,15 @@ def _launch_plan(selection: Selection) -> LaunchPlan:
     if plan is None:
         variant = host.registry.variants[selection.kernel][selection.variant]
         device = selection.executor
+        missing = variant.missing(device)
+        if missing:
+            # Only while emulating: selection saw the profile, but this device executes.
+            raise VariantUnavailableError(
+                f"{selection.kernel}: {variant.name} was selected for the emulated "
+                f"{selection.device.name}, but the executing device {device.name} lacks "
+                f"{', '.join(sorted(missing))}; call it outside emulation or force another "
+                "variant with use_variant"
+            )
         configs = host.call("pk_tuning_configs", firstresult=True,
                             kernel=variant.kernel, variant=variant, device=device)
         if configs is None and variant.configs is not None:
@@ -290,8 +292,8 @@ def list_variants(name: str, device: Any = None) -> list[str]:
     if device is None:
         return sorted(v.name for v in variants)
     ctx = _context.current.get()
-    info, real = _devices(_resolve_device(device), ctx)
-    ok = [v for v in variants if _rejection(v, None, info, real) is None]
+    info = _devices(_resolve_device(device), ctx)[0]
+    ok = [v for v in variants if _rejection(v, None, info) is None]
     return [v.name for v in sorted(ok, key=lambda v: (-v.priority_on(info), v.name))]
 
 

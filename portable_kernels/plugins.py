@@ -24,7 +24,7 @@ import torch
 from . import hookspecs
 from .device import DeviceInfo
 from .errors import DeviceError, PluginError, PortableKernelsError
-from .registry import Registry
+from .registry import Registry, UndeclaredKernelError
 
 __all__ = ["PluginHost", "PluginFailure", "host", "install_host", "reset"]
 
@@ -89,6 +89,8 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.failures: list[PluginFailure] = []
         self._failed: set[str] = set()
+        #: plugin name -> where it came from ("builtin", "entry point acme-pk 1.0", ...)
+        self.sources: dict[str, str] = {}
         self._lock = threading.RLock()
         self.autoload = (not _truthy("PK_DISABLE_PLUGIN_AUTOLOAD")) if autoload is None else autoload
         self.env_emulation = os.environ.get("PK_EMULATE", "").strip().lower()
@@ -99,13 +101,14 @@ class PluginHost:
         self._devices: dict[torch.device, DeviceInfo] = {}
 
         if catalog:
-            self._register(importlib.import_module(_CATALOG), _CATALOG)
+            self._register(importlib.import_module(_CATALOG), _CATALOG, "builtin")
         if self.autoload:
             self._load_entry_points()
         for name in filter(None, (m.strip() for m in os.environ.get("PK_PLUGINS", "").split(","))):
             self._load_module(name)
         for plugin in plugins:
-            self._register(plugin, getattr(plugin, "__name__", None) or type(plugin).__name__)
+            name = getattr(plugin, "__name__", None) or type(plugin).__name__
+            self._register(plugin, name, "passed to PluginHost")
 
         global RUNTIME_READY
         self.call("pk_runtime_setup")
@@ -119,7 +122,8 @@ class PluginHost:
 
     # Loading ---------------------------------------------------------------------------
 
-    def _register(self, plugin: Any, name: str) -> None:
+    def _register(self, plugin: Any, name: str, source: str) -> None:
+        self.sources[name] = source
         # A misspelt hook would otherwise be silently ignored by pluggy.
         unknown = sorted(
             attr for attr in dir(plugin)
@@ -140,20 +144,24 @@ class PluginHost:
         try:
             module = importlib.import_module(name)
         except Exception as exc:
+            self.sources[name] = "PK_PLUGINS"
             self._record(name, "load", exc)
             return
-        self._register(module, name)
+        self._register(module, name, "PK_PLUGINS")
 
     def _load_entry_points(self) -> None:
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             if self.pm.get_plugin(ep.name) is not None or ep.name in self._failed:
                 continue
+            dist = getattr(ep, "dist", None)
+            source = f"entry point {ep.value}" + (f" ({dist.name} {dist.version})" if dist else "")
             try:
                 plugin = ep.load()
             except Exception as exc:
+                self.sources[ep.name] = source
                 self._record(ep.name, "load", exc)
                 continue
-            self._register(plugin, ep.name)
+            self._register(plugin, ep.name, source)
 
     def _record(self, plugin: str, stage: str, exc: BaseException, keep: bool = False) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -205,13 +213,29 @@ class PluginHost:
 
     def _build_registry(self) -> Registry:
         registry = Registry()
-        for impl in list(self._impls("pk_register_variants")):
-            staging = Registry(parent=registry)
-            try:
-                impl.function(*({"registry": staging}[n] for n in impl.argnames))
-                registry.merge(staging, impl.plugin_name)
-            except Exception as exc:
-                self._record(impl.plugin_name, "pk_register_variants", exc)
+        # Registration order (catalog first, then entry points), so kernels are declared
+        # before other plugins add variants to them; a plugin adding to a kernel that a
+        # later plugin declares is retried once the others are in.
+        impls = getattr(self.pm.hook, "pk_register_variants").get_hookimpls()
+        pending = [i for i in impls if i.tryfirst] + [i for i in impls if not (i.tryfirst or i.trylast)] \
+            + [i for i in impls if i.trylast]
+        while pending:
+            retry, last_error = [], {}
+            for impl in pending:
+                staging = Registry(parent=registry)
+                try:
+                    impl.function(*({"registry": staging}[n] for n in impl.argnames))
+                    registry.merge(staging, impl.plugin_name)
+                except UndeclaredKernelError as exc:
+                    retry.append(impl)
+                    last_error[impl.plugin_name] = exc
+                except Exception as exc:
+                    self._record(impl.plugin_name, "pk_register_variants", exc)
+            if len(retry) == len(pending):
+                for impl in retry:
+                    self._record(impl.plugin_name, "pk_register_variants", last_error[impl.plugin_name])
+                break
+            pending = retry
         return registry
 
     def _collect_profiles(self) -> dict[str, DeviceInfo]:

@@ -14,7 +14,11 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from .device import DeviceInfo, check_capabilities
 
-__all__ = ["KernelSpec", "Variant", "Registry"]
+__all__ = ["KernelSpec", "Variant", "Registry", "UndeclaredKernelError"]
+
+
+class UndeclaredKernelError(KeyError):
+    """A variant names a kernel no plugin has declared (yet)."""
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)?$")
 
@@ -139,7 +143,7 @@ class Registry:
     def add_variant(self, variant: Variant) -> None:
         """Register a variant of a declared kernel. Names are unique per kernel."""
         if not self._known(variant.kernel):
-            raise KeyError(
+            raise UndeclaredKernelError(
                 f"variant {variant.name!r} is for undeclared kernel {variant.kernel!r} "
                 "(declare it with add_kernel first)"
             )

@@ -1,0 +1,208 @@
+"""The ``portable-kernels`` command: what this machine runs, and why.
+
+    portable-kernels info [--device DEV] [--json]
+    portable-kernels list [--json]
+    portable-kernels explain KERNEL [--device DEV] [--json]
+
+Subcommands of other parts of the library (the conformance suite, tuning) register
+themselves in ``SUBCOMMANDS`` below. The CLI owns the terminal: library code never prints.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Callable
+
+import torch
+import triton
+
+from . import __version__, dispatch, plugins
+from ._table import table
+from .device import CAPABILITIES
+from .errors import PortableKernelsError
+
+
+def _device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default=None,
+        help="torch device to describe, e.g. cuda:0 or cpu (default: current GPU, else cpu)",
+    )
+
+
+def _json_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _kernel_rows(device) -> list[dict]:
+    rows = []
+    for name in dispatch.list_kernels():
+        try:
+            sel = dispatch.explain(name, device=device)
+            rows.append({"kernel": name, "variant": sel.variant, "reason": sel.reason,
+                         "runnable": dispatch.list_variants(name, device)})
+        except PortableKernelsError as exc:
+            rows.append({"kernel": name, "variant": None, "reason": str(exc), "runnable": []})
+    return rows
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    host = plugins.host()
+    out: dict = {
+        "version": __version__,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "plugins": [{"name": n, "source": host.sources.get(n, "")} for n in host.plugin_names()],
+        "failed_plugins": [f.to_dict() for f in host.failures],
+        "emulation_profiles": sorted(host.profiles),
+    }
+    try:
+        info = dispatch.device_info(args.device)
+    except PortableKernelsError as exc:
+        info = None
+        out["device_error"] = str(exc)
+    out["device"] = info.to_dict() if info else None
+    out["kernels"] = _kernel_rows(args.device) if info else []
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0 if info else 1
+
+    print(f"portable-kernels {__version__} · triton {triton.__version__} · torch {torch.__version__}")
+    print()
+    if info is None:
+        print(f"Device: unavailable: {out['device_error']}")
+    else:
+        emu = f" [emulated profile {info.emulated!r}; kernels run on the real device]" if info.emulated else ""
+        print(f"Device: {info.name} ({info.vendor} {info.arch}){emu}")
+        print(f"  warp size {info.warp_size} · {info.num_sms} SMs/CUs · "
+              f"shared memory {info.shared_memory} B/program · triton {info.triton_version}")
+        print(f"  fingerprint {info.fingerprint}")
+        print(table(["capability", "meaning"],
+                    [(c, CAPABILITIES.get(c, "")) for c in sorted(info.capabilities)]))
+    print()
+    print("Plugins" + ("" if host.autoload else " (entry-point autoload off: PK_DISABLE_PLUGIN_AUTOLOAD)") + ":")
+    print(table(["plugin", "source"], [(p["name"], p["source"]) for p in out["plugins"]]) if out["plugins"] else "  none")
+    print(f"Emulation profiles: {', '.join(out['emulation_profiles']) or 'none'}")
+    if host.failures:
+        print()
+        print("Failed plugins (skipped):")
+        print(table(["plugin", "stage", "error"], [(f.plugin, f.stage, f.error) for f in host.failures]))
+    if info is not None:
+        print()
+        print(table(["kernel", "variant", "why", "runnable here"],
+                    [(r["kernel"], r["variant"] or "-", r["reason"], ", ".join(r["runnable"]))
+                     for r in out["kernels"]]))
+    return 0 if info else 1
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    registry = plugins.host().registry
+    kernels = []
+    for name in dispatch.list_kernels():
+        spec = registry.kernels[name]
+        kernels.append({
+            "kernel": name,
+            "signature": f"{name}{spec.signature}",
+            "summary": spec.summary,
+            "variants": [
+                {"name": v.name, "plugin": v.plugin, "requires": sorted(v.requires),
+                 "switches": dict(v.switches), "description": v.description}
+                for v in sorted(registry.variants[name].values(), key=lambda v: v.name)
+            ],
+        })
+    if args.json:
+        print(json.dumps(kernels, indent=2, default=str))
+        return 0
+    rows = []
+    for k in kernels:
+        for i, v in enumerate(k["variants"]):
+            rows.append((k["signature"] if i == 0 else "", v["name"], v["plugin"],
+                         ", ".join(v["requires"]) or "-", v["description"]))
+        if not k["variants"]:
+            rows.append((k["signature"], "-", "-", "-", "no variants registered"))
+    print(table(["kernel", "variant", "plugin", "requires", "technique"], rows))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    try:
+        sel = dispatch.explain(args.kernel, device=args.device)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    except PortableKernelsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(sel.to_dict(), indent=2, default=str))
+        return 0
+    dev = sel.device
+    where = f"{dev.name} ({dev.vendor} {dev.arch})"
+    if dev.emulated:
+        where += f", emulated as {dev.emulated!r}; kernels run on {sel.executor.name}"
+    print(f"{sel.kernel} on {where}")
+    print(f"chosen: {sel.variant}: {sel.reason}")
+    print("(no call arguments given: per-problem predicates, such as alignment, are not checked)")
+    print()
+    print(table(["variant", "plugin", "priority", "status", "reason"],
+                [(v.name, v.plugin, v.priority, "chosen" if i == 0 else ("runnable" if v.runnable else "rejected"),
+                  v.reason) for i, v in enumerate(sel.verdicts)]))
+    return 0
+
+
+#: name -> (help, configure(parser), run(args) -> exit code). Other modules add entries.
+SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "info": ("the device, its capabilities, plugins, and the variant each kernel would run",
+             lambda p: (_device_arg(p), _json_arg(p)), cmd_info),
+    "list": ("every kernel and its registered variants", _json_arg, cmd_list),
+    "explain": ("which variant of KERNEL runs here and why the others do not",
+                lambda p: (p.add_argument("kernel"), _device_arg(p), _json_arg(p)), cmd_explain),
+}
+
+
+#: Modules that add subcommands: each has ``add_subcommands(SUBCOMMANDS)``.
+EXTENSIONS: tuple[str, ...] = ()
+
+
+def _load_extensions() -> None:
+    for name in EXTENSIONS:
+        importlib.import_module(name).add_subcommands(SUBCOMMANDS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_extensions()
+    parser = argparse.ArgumentParser(
+        prog="portable-kernels",
+        description="Triton kernels written once; the best variant for every device.",
+        epilog="Environment: PK_EMULATE=<profile> (h100, a100, mi300x, bi150, ...), "
+        "PK_VARIANT=kernel=variant,..., PK_DISABLE_PLUGIN_AUTOLOAD=1, PK_PLUGINS=mod,..., "
+        "PK_INTERPRET=1.",
+    )
+    parser.add_argument("--version", action="version", version=f"portable-kernels {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, configure, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        configure(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except KeyError as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    except (PortableKernelsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Fake plugins for testing the dispatch layer alone (pluggy's own test style).
+
+They detect the ``meta`` device, whose tensors cost nothing, and their launchers return
+the variant's name, switches and configs instead of running Triton.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from portable_kernels import DeviceInfo, KernelSpec, Variant, hookimpl
+
+
+class Problem(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+    aligned: bool
+
+
+def probe_problem(x):
+    return Problem(x.device, x.dtype, x.shape[-1] % 8 == 0)
+
+
+def launcher(plan, x):
+    return plan.variant.name, plan.switches, plan.configs
+
+
+FAKE_CAPS = frozenset({"mma", "bf16", "atomics"})
+
+
+def fake_device(caps=FAKE_CAPS, vendor="fakevendor") -> DeviceInfo:
+    return DeviceInfo(vendor, "fk1", "Fake Accelerator", 32, 4, 65536, "0", caps, backend="fake")
+
+
+class FakeBackend:
+    """Detects the meta device and registers a 'probe' kernel with three variants."""
+
+    def __init__(self, caps=FAKE_CAPS):
+        self.caps = caps
+        self.detect_calls = 0
+        self.accept_calls = 0
+
+    @hookimpl
+    def pk_detect_device(self, device):
+        if device.type != "meta":
+            return None
+        self.detect_calls += 1
+        return fake_device(self.caps)
+
+    @hookimpl
+    def pk_register_variants(self, registry):
+        registry.add_kernel(KernelSpec("probe", "(x) -> out", probe_problem, "a fake", None))
+
+        def aligned_only(problem, device):
+            self.accept_calls += 1
+            return None if problem.aligned else "needs the last dimension to be a multiple of 8"
+
+        registry.add_variant(Variant("probe", "generic", launcher))
+        registry.add_variant(Variant("probe", "fake.fast", launcher, priority=10, accepts=aligned_only,
+                                     switches={"FAST": True}))
+        registry.add_variant(Variant("probe", "fake.tma", launcher, priority=20,
+                                     requires={"tensor_descriptor"}))
+
+    @hookimpl
+    def pk_tuning_configs(self, kernel, variant, device):
+        return ["cfg-for-" + variant.name]
+
+
+def meta(n=16, dtype=torch.float32):
+    return torch.empty(3, n, device="meta", dtype=dtype)

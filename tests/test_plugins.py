@@ -1,0 +1,150 @@
+"""Plugin loading and isolation: a plugin that raises never breaks the others."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import portable_kernels as pk
+from portable_kernels import KernelSpec, Variant, hookimpl
+from portable_kernels.errors import DeviceError
+
+from fakes import FakeBackend, launcher, meta, probe_problem
+
+
+class RaisesOnRegister:
+    @hookimpl
+    def pk_register_variants(self, registry):
+        # Half-way through: the variant below must not survive the failure.
+        registry.add_variant(Variant("probe", "broken.half", launcher))
+        raise RuntimeError("boom in register")
+
+
+class RaisesOnDetect:
+    @hookimpl(tryfirst=True)
+    def pk_detect_device(self, device):
+        raise RuntimeError("boom in detect")
+
+
+class RaisesOnTuning:
+    @hookimpl(tryfirst=True)
+    def pk_tuning_configs(self, kernel, variant, device):
+        raise ZeroDivisionError("boom in tuning")
+
+
+class MisspeltHook:
+    @hookimpl
+    def pk_detect_devise(self, device):
+        return None
+
+
+def _failures(host):
+    return {(f.plugin, f.stage): f.error for f in host.failures}
+
+
+def test_plugin_raising_in_register_is_skipped_atomically(fresh_host):
+    host = fresh_host(FakeBackend(), RaisesOnRegister(), autoload=False, catalog=False)
+    assert ("RaisesOnRegister", "pk_register_variants") in _failures(host)
+    assert "broken.half" not in pk.list_variants("probe")
+    assert pk.get_kernel("probe")(meta(16))[0] == "fake.fast"
+
+
+def test_plugin_raising_in_detect_is_skipped(fresh_host):
+    host = fresh_host(FakeBackend(), RaisesOnDetect(), autoload=False, catalog=False)
+    assert pk.get_kernel("probe")(meta(16))[0] == "fake.fast"
+    assert "RuntimeError: boom in detect" in _failures(host)[("RaisesOnDetect", "pk_detect_device")]
+    assert "RaisesOnDetect" not in host.plugin_names()
+
+
+def test_plugin_raising_in_tuning_is_skipped(fresh_host):
+    host = fresh_host(FakeBackend(), RaisesOnTuning(), autoload=False, catalog=False)
+    assert pk.get_kernel("probe")(meta(16))[2] == ["cfg-for-fake.fast"]
+    assert ("RaisesOnTuning", "pk_tuning_configs") in _failures(host)
+
+
+def test_misspelt_hook_is_a_recorded_failure(fresh_host):
+    host = fresh_host(FakeBackend(), MisspeltHook(), autoload=False, catalog=False)
+    assert "pk_detect_devise" in _failures(host)[("MisspeltHook", "load")]
+    assert "MisspeltHook" not in host.plugin_names()
+
+
+def test_pk_plugins_module_that_fails_to_import(monkeypatch, fresh_host):
+    monkeypatch.setenv("PK_PLUGINS", "pk_no_such_module_xyz")
+    host = fresh_host(FakeBackend(), autoload=False, catalog=False)
+    assert "ModuleNotFoundError" in _failures(host)[("pk_no_such_module_xyz", "load")]
+    assert pk.get_kernel("probe")(meta(16))[0] == "fake.fast"
+
+
+def test_pk_plugins_loads_a_module(monkeypatch, fresh_host):
+    mod = types.ModuleType("pk_test_inline_plugin")
+
+    @hookimpl
+    def pk_register_variants(registry):
+        registry.add_variant(Variant("probe", "inline.extra", launcher, priority=99))
+
+    mod.pk_register_variants = pk_register_variants
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setenv("PK_PLUGINS", mod.__name__)
+    host = fresh_host(FakeBackend(), autoload=False, catalog=False)
+    assert host.sources[mod.__name__] == "PK_PLUGINS"
+    assert pk.get_kernel("probe")(meta(16))[0] == "inline.extra"
+
+
+def test_duplicate_variant_name_rejects_the_second_plugin(fresh_host):
+    class Duplicate:
+        @hookimpl
+        def pk_register_variants(self, registry):
+            registry.add_variant(Variant("probe", "fake.fast", launcher, priority=1000))
+
+    host = fresh_host(FakeBackend(), Duplicate(), autoload=False, catalog=False)
+    assert "already registered" in _failures(host)[("Duplicate", "pk_register_variants")]
+    assert pk.get_kernel("probe")(meta(16))[0] == "fake.fast"
+
+
+def test_variant_for_an_undeclared_kernel_fails_that_plugin(fresh_host):
+    class Orphan:
+        @hookimpl
+        def pk_register_variants(self, registry):
+            registry.add_variant(Variant("nokernel", "orphan.x", launcher))
+
+    host = fresh_host(FakeBackend(), Orphan(), autoload=False, catalog=False)
+    assert "undeclared kernel 'nokernel'" in _failures(host)[("Orphan", "pk_register_variants")]
+
+
+def test_autoload_off_loads_no_entry_points(monkeypatch, fresh_host):
+    monkeypatch.setenv("PK_DISABLE_PLUGIN_AUTOLOAD", "1")
+    host = fresh_host()
+    assert host.plugin_names() == ["portable_kernels.catalog"]
+    with pytest.raises(DeviceError, match="PK_DISABLE_PLUGIN_AUTOLOAD"):
+        pk.device_info("cpu")
+
+
+def test_builtin_backends_load_through_entry_points(fresh_host):
+    host = fresh_host()
+    for name in ("nvidia", "amd", "iluvatar", "cpu"):
+        assert host.sources[name].startswith("entry point portable_kernels_backends."), host.sources
+
+
+def test_user_errors_from_plugins_propagate(fresh_host):
+    class Refuses(FakeBackend):
+        @hookimpl(tryfirst=True)
+        def pk_detect_device(self, device):
+            raise DeviceError("this fake device is switched off")
+
+    host = fresh_host(Refuses(), autoload=False, catalog=False)
+    with pytest.raises(DeviceError, match="switched off"):
+        pk.get_kernel("probe")(meta(16))
+    assert not host.failures
+
+
+def test_a_kernel_declared_twice_identically_is_fine(fresh_host):
+    class Redeclare:
+        @hookimpl
+        def pk_register_variants(self, registry):
+            registry.add_kernel(KernelSpec("probe", "(x) -> out", probe_problem, "a fake", None))
+
+    host = fresh_host(FakeBackend(), Redeclare(), autoload=False, catalog=False)
+    assert not host.failures
+    assert pk.list_kernels() == ["probe"]
+
