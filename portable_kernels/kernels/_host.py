@@ -29,13 +29,26 @@ def tensor_device(kernel: str, arg: str, value: Any) -> torch.device:
 
 
 def same_device(kernel: str, **tensors: Any) -> torch.device:
-    """The one device all ``tensors`` live on; ``ValueError`` naming them otherwise."""
+    """The one device all ``tensors`` live on; ``ValueError`` naming them otherwise.
+
+    Runs on every call (problem tuples use it), so the common case is a tight loop and the
+    message is only built on failure.
+    """
+    try:
+        first = None
+        for t in tensors.values():
+            d = t.device
+            if first is None:
+                first = d
+            elif d != first:
+                break
+        else:
+            return first
+    except AttributeError:
+        pass
     devices = {name: tensor_device(kernel, name, t) for name, t in tensors.items()}
-    first = next(iter(devices.values()))
-    if any(d != first for d in devices.values()):
-        where = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise InputError(f"{kernel}: tensors must be on one device, got {where}")
-    return first
+    where = ", ".join(f"{n} on {d}" for n, d in devices.items())
+    raise InputError(f"{kernel}: tensors must be on one device, got {where}")
 
 
 def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:

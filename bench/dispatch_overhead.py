@@ -1,0 +1,120 @@
+"""What a ``get_kernel(...)`` call adds over launching the Triton kernel directly.
+
+Three ways to compute ``vector_add`` on the same small tensors (so launch cost dominates):
+
+- ``raw``: ``_vector_add_kernel[grid](...)`` with a preallocated output (Triton alone);
+- ``launcher``: the family's host launcher called with a resolved plan (checks, allocation,
+  launch: what every variant pays);
+- ``handle``: ``pk.get_kernel("vector_add")(x, y)`` (the launcher plus selection).
+
+``handle - launcher`` is the dispatch cost. A fourth row times dispatch alone, through a
+kernel whose launcher does nothing, so it is measured without any launch noise.
+
+    python bench/dispatch_overhead.py [--device cuda] [--iters 20000] [--json OUT]
+
+Host time per call is measured with ``time.perf_counter_ns`` over many calls, then the
+device is synchronized; the median of several rounds is reported.
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: chooses the interpreter before triton is imported
+
+import argparse
+import json
+import statistics
+import time
+from typing import NamedTuple
+
+import torch
+import triton
+
+from portable_kernels import KernelSpec, Variant, dispatch, hookimpl, plugins
+from portable_kernels.kernels import vector_add
+
+
+class _Problem(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+
+
+class _NoopPlugin:
+    """Declares ``noop(x)``: selection as for a real kernel, a launcher that does nothing."""
+
+    @hookimpl
+    def pk_register_variants(self, registry):
+        registry.add_kernel(KernelSpec("noop", "(x) -> x", lambda x: _Problem(x.device, x.dtype)))
+        registry.add_variant(Variant("noop", "generic", lambda plan, x: x))
+
+
+def _per_call_ns(fn, iters: int, rounds: int, sync) -> float:
+    for _ in range(min(iters, 200)):  # warm up: compile, select, fill caches
+        fn()
+    sync()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            fn()
+        sync()
+        samples.append((time.perf_counter_ns() - t0) / iters)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--iters", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--numel", type=int, default=4096)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        # The interpreter makes every launch cost ~0.5 ms; only the dispatch-only row is
+        # meaningful there, so keep the launching rows short.
+        args.iters = min(args.iters, 50)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    plugins.install_host(plugins.PluginHost([_NoopPlugin()]))
+
+    x = torch.randn(args.numel, device=device)
+    y = torch.randn(args.numel, device=device)
+    handle = pk.get_kernel("vector_add")
+    handle(x, y)
+    plan = handle._cache[next(iter(handle._cache))]
+    cfg = plan.config
+    block = cfg.kwargs["BLOCK_SIZE"]
+    out = torch.empty_like(x)
+    grid = (triton.cdiv(x.numel(), block),)
+
+    def raw():
+        vector_add._vector_add_kernel[grid](x, y, out, x.numel(), BLOCK_SIZE=block, num_warps=cfg.num_warps)
+
+    rows = {
+        "raw": _per_call_ns(raw, args.iters, args.rounds, sync),
+        "launcher": _per_call_ns(lambda: vector_add.launch(plan, x, y), args.iters, args.rounds, sync),
+        "handle": _per_call_ns(lambda: handle(x, y), args.iters, args.rounds, sync),
+    }
+    noop = pk.get_kernel("noop")
+    noop_iters = max(args.iters, 200000)
+    rows["dispatch only (noop kernel)"] = _per_call_ns(lambda: noop(x), noop_iters, args.rounds, lambda: None)
+    rows["python call of a no-op lambda"] = _per_call_ns(lambda: None, noop_iters, args.rounds, lambda: None)
+
+    info = dispatch.device_info(device)
+    print(f"device {info.name} · torch {torch.__version__} · triton {triton.__version__} · "
+          f"vector_add of {args.numel} fp32, median of {args.rounds} rounds")
+    print(f"{'path':34s} {'µs/call':>9s}")
+    for name, ns in rows.items():
+        print(f"{name:34s} {ns / 1000:9.2f}")
+    added = (rows["handle"] - rows["launcher"]) / 1000
+    print(f"{'dispatch added (handle - launcher)':34s} {added:9.2f}")
+    print(f"{'handle over raw Triton launch':34s} {(rows['handle'] - rows['raw']) / 1000:9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
+                       "numel": args.numel, "us_per_call": {k: v / 1000 for k, v in rows.items()},
+                       "dispatch_added_us": added}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
