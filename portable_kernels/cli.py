@@ -162,7 +162,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 
 #: Modules that add subcommands: each has ``add_subcommands(SUBCOMMANDS)``.
-EXTENSIONS: tuple[str, ...] = ()
+EXTENSIONS: tuple[str, ...] = ("portable_kernels.tune",)
 
 
 def _load_extensions() -> None:

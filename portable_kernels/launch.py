@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import triton
 
+from . import tuning_cache
 from .device import DeviceInfo
 from .registry import Variant
 
@@ -59,6 +60,7 @@ class LaunchPlan:
     def autotuned(self, fn: Any, key: Sequence[str], **autotune_kwargs: Any) -> Any:
         """``fn`` (a ``@triton.jit`` kernel) wrapped in ``triton.autotune`` over this plan's
         configs, keyed on the argument names ``key``. Built once per plan and kernel.
+        Results persist per device fingerprint across processes (see ``tuning_cache``).
 
         ``autotune_kwargs`` go to ``triton.autotune`` (``prune_configs_by``,
         ``reset_to_zero``, ...). With a single config no benchmarking happens, which is
@@ -71,6 +73,9 @@ class LaunchPlan:
                 if tuned is None:
                     _ = self.config  # clear error when there are none
                     tuned = triton.autotune(configs=self.configs, key=list(key), **autotune_kwargs)(fn)
+                    name = getattr(fn, "__name__", None) or fn.fn.__name__
+                    entry = f"{self.variant.kernel}/{self.variant.name}/{name}"
+                    tuned = tuning_cache.attach(tuned, self.device.fingerprint, entry)
                     self._tuned[fn] = tuned
         return tuned
 

@@ -39,6 +39,10 @@ class KernelSpec:
             different devices, missing arguments).
         summary: one line for ``portable-kernels list``.
         reference: a plain-torch implementation with the same signature (for tests).
+        inputs: ``inputs(shape, dtype, device) -> (args, kwargs)``: random example inputs
+            from a shape string such as ``"4096x4096x4096"`` (its meaning is the family's,
+            stated in ``input_shape``); used by ``portable-kernels tune`` and benchmarks.
+        input_shape: what ``inputs``' shape string means, e.g. ``"MxNxK"``.
     """
 
     name: str
@@ -46,6 +50,8 @@ class KernelSpec:
     problem: Callable[..., NamedTuple]
     summary: str = ""
     reference: Callable[..., Any] | None = None
+    inputs: Callable[..., tuple] | None = None
+    input_shape: str = ""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) or "." in self.name:

@@ -82,3 +82,15 @@ def dtype_supported(problem: Any, device: DeviceInfo) -> str | None:
     if problem.dtype == torch.bfloat16 and not device.has("bf16"):
         return f"bfloat16 inputs need the bf16 capability, which {device.name} lacks"
     return None
+
+
+def parse_shape(kernel: str, shape: str, fields: str) -> tuple[int, ...]:
+    """``"64x1000"`` -> ``(64, 1000)``, checked against ``fields`` (e.g. ``"RxC"``)."""
+    names = fields.split("x")
+    try:
+        dims = tuple(int(d) for d in shape.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != len(names) or any(d <= 0 for d in dims):
+        raise InputError(f"{kernel}: shape {shape!r} is not {fields} with positive integers")
+    return dims

@@ -118,6 +118,12 @@ def reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(x.double(), dim=dim)
 
 
+def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
+    """A random ``(R, C)`` input (shape string ``"RxC"``), softmax over C."""
+    rows, cols = _host.parse_shape(NAME, shape, "RxC")
+    return (torch.randn(rows, cols, device=device).to(dtype),), {}
+
+
 def default_configs(device) -> list:
     return [triton.Config({"MAX_BLOCK_N": 4096}, num_warps=8)]
 
@@ -125,7 +131,7 @@ def default_configs(device) -> list:
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
         NAME, "(x, dim=-1) -> out", problem, "softmax along a dimension, any row length",
-        reference))
+        reference, inputs, "RxC"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
         description="one program per row; one pass when the row fits a block, else an "

@@ -79,13 +79,20 @@ def reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x.double() + y.double()
 
 
+def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
+    """Random ``(x, y)`` of ``N`` elements (shape string ``"N"``)."""
+    (n,) = _host.parse_shape(NAME, shape, "N")
+    return (torch.randn(n, device=device).to(dtype), torch.randn(n, device=device).to(dtype)), {}
+
+
 def default_configs(device) -> list:
     return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
 
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(x, y) -> out", problem, "elementwise x + y, same shape, any size", reference))
+        NAME, "(x, y) -> out", problem, "elementwise x + y, same shape, any size", reference,
+        inputs, "N"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
         description="pointer loads with a tail mask"))

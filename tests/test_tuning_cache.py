@@ -1,0 +1,106 @@
+"""Autotuning results persist per device fingerprint, and `portable-kernels tune` fills them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import triton
+
+import portable_kernels as pk
+from portable_kernels import Variant, cli, tuning_cache
+from portable_kernels.launch import LaunchPlan
+from portable_kernels.kernels import vector_add
+
+from fakes import fake_device
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PK_TUNING_CACHE", raising=False)
+    return tmp_path
+
+
+CONFIGS = [triton.Config({"BLOCK_SIZE": 256}, num_warps=1), triton.Config({"BLOCK_SIZE": 512}, num_warps=1)]
+
+
+def _plan(device_name="Tuned Fake"):
+    info = fake_device()
+    info = type(info)(**{**info.__dict__, "name": device_name})
+    return LaunchPlan(Variant("vector_add", "generic", vector_add.launch), info, CONFIGS, {})
+
+
+def _launch(plan, bench_calls, device):
+    def do_bench(kernel_call, quantiles=None):
+        bench_calls.append(1)
+        kernel_call()
+        # A deterministic "timing" that prefers the larger block, so the test knows the winner.
+        return [1.0 / len(bench_calls)] * 3
+
+    kernel = plan.autotuned(vector_add._vector_add_kernel, key=["n_elements"], do_bench=do_bench)
+    x = torch.randn(1000, device=device)
+    out = torch.empty_like(x)
+    kernel[lambda meta: (triton.cdiv(1000, meta["BLOCK_SIZE"]),)](x, x, out, 1000)
+    torch.testing.assert_close(out, 2 * x)
+    return kernel
+
+
+def test_results_persist_across_plans(cache_dir, device):
+    calls: list = []
+    first = _launch(_plan(), calls, device)
+    assert len(calls) == 2  # both configs benchmarked
+    path = tuning_cache.path_for(_plan().device.fingerprint)
+    stored = json.loads(path.read_text())
+    (entry, results), = stored.items()
+    assert entry == "vector_add/generic/_vector_add_kernel"
+    assert list(results.values()) == [tuning_cache.config_id(first.best_config)]
+
+    calls.clear()
+    second = _launch(_plan(), calls, device)  # a new plan, as in a new process
+    assert calls == [] and str(second.best_config) == str(first.best_config)
+
+
+def test_other_fingerprints_do_not_share(cache_dir, device):
+    calls: list = []
+    _launch(_plan("Device A"), calls, device)
+    calls.clear()
+    _launch(_plan("Device B"), calls, device)
+    assert len(calls) == 2
+
+
+def test_changed_configs_are_tuned_again(cache_dir, device):
+    calls: list = []
+    _launch(_plan(), calls, device)
+    path = tuning_cache.path_for(_plan().device.fingerprint)
+    data = json.loads(path.read_text())
+    for results in data.values():
+        for key in results:
+            results[key] = "a config that no longer exists"
+    path.write_text(json.dumps(data))
+    calls.clear()
+    _launch(_plan(), calls, device)
+    assert len(calls) == 2
+
+
+def test_disabled(cache_dir, monkeypatch, device):
+    monkeypatch.setenv("PK_TUNING_CACHE", "0")
+    _launch(_plan(), [], device)
+    assert not list(cache_dir.iterdir())
+
+
+def test_tune_command(capsys, fresh_host, device):
+    fresh_host()
+    code = cli.main(["tune", "softmax", "--shapes", "8x100", "3x2000", "--dtypes", "fp32,fp16",
+                     "--device", str(device), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [(r["shape"], r["dtype"]) for r in out["results"]] == [
+        ("8x100", "float32"), ("8x100", "float16"), ("3x2000", "float32"), ("3x2000", "float16")]
+    assert all(r["variant"] == pk.explain("softmax", device=device).variant for r in out["results"])
+
+
+def test_tune_rejects_bad_shapes(capsys, fresh_host, device):
+    fresh_host()
+    code = cli.main(["tune", "softmax", "--shapes", "8x", "--device", str(device)])
+    assert code == 1 and "is not RxC" in capsys.readouterr().err
