@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device-tool call on the GPU machine: install, run the test suite compiled, run the
+# benchmarks, and leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
+#   bash bench/gpu_session.sh [tests|bench|all] [extra pytest args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+out=${OUT:-gpu-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PK_CACHE_DIR="$out/pk-cache"
+pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+portable-kernels info >"$out/info.txt" 2>&1; tail -n 25 "$out/info.txt"
+summary=()
+if [[ $what == tests || $what == all ]]; then
+  start=$(date +%s)
+  python3 -m pytest tests -q -x -p no:cacheprovider "$@" >"$out/pytest.log" 2>&1
+  rc=$?
+  summary+=("pytest rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$out/pytest.log")")
+  grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 bench/dispatch_overhead.py --json "$out/dispatch.json" 2>&1 | tee "$out/dispatch.txt"
+  for b in bench/matmul.py bench/flash_attn.py bench/flash_attn_memory.py; do
+    [[ -f $b ]] || continue
+    timeout 420 python3 "$b" --out "$out/$(basename "$b" .py)" >"$out/$(basename "$b" .py).txt" 2>&1
+    summary+=("$b rc=$?")
+    tail -n 40 "$out/$(basename "$b" .py).txt"
+  done
+fi
+printf '%s\n' "${summary[@]}"
