@@ -53,28 +53,38 @@ def same_device(kernel: str, **tensors: Any) -> torch.device:
 
 def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
     """``TypeError`` when ``t``'s dtype is not in ``allowed``."""
-    if t.dtype not in allowed:
-        names = ", ".join(_dtype_name(d) for d in allowed)
-        raise DTypeError(f"{kernel}: {arg} has dtype {_dtype_name(t.dtype)}; supported: {names}")
+    if t.dtype in allowed:
+        return
+    names = ", ".join(_dtype_name(d) for d in allowed)
+    raise DTypeError(f"{kernel}: {arg} has dtype {_dtype_name(t.dtype)}; supported: {names}")
 
 
 def check_same_dtype(kernel: str, **tensors: torch.Tensor) -> torch.dtype:
     """The one dtype of ``tensors``; ``TypeError`` naming them otherwise."""
-    dtypes = {name: t.dtype for name, t in tensors.items()}
-    first = next(iter(dtypes.values()))
-    if any(d != first for d in dtypes.values()):
-        what = ", ".join(f"{n} is {_dtype_name(d)}" for n, d in dtypes.items())
-        raise DTypeError(f"{kernel}: dtypes must match, but {what}")
+    values = iter(tensors.values())
+    first = next(values).dtype
+    for t in values:
+        if t.dtype != first:
+            what = ", ".join(f"{n} is {_dtype_name(t.dtype)}" for n, t in tensors.items())
+            raise DTypeError(f"{kernel}: dtypes must match, but {what}")
     return first
+
+
+def check_ndim(kernel: str, arg: str, t: torch.Tensor, ndim: int, layout: str = "") -> None:
+    """``ValueError`` when ``t`` does not have ``ndim`` dimensions (``layout`` names them)."""
+    if t.dim() != ndim:
+        want = f"{ndim}-D {layout}".rstrip()
+        raise InputError(f"{kernel}: {arg} must be {want}, got shape {tuple(t.shape)}")
 
 
 def check_same_shape(kernel: str, **tensors: torch.Tensor) -> None:
     """``ValueError`` naming the shapes when ``tensors`` differ in shape."""
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    first = next(iter(shapes.values()))
-    if any(s != first for s in shapes.values()):
-        what = ", ".join(f"{n} {s}" for n, s in shapes.items())
-        raise InputError(f"{kernel}: shapes must match, got {what}")
+    values = iter(tensors.values())
+    first = next(values).shape
+    for t in values:
+        if t.shape != first:
+            what = ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items())
+            raise InputError(f"{kernel}: shapes must match, got {what}")
 
 
 def dtype_supported(problem: Any, device: DeviceInfo) -> str | None:
@@ -94,3 +104,21 @@ def parse_shape(kernel: str, shape: str, fields: str) -> tuple[int, ...]:
     if len(dims) != len(names) or any(d <= 0 for d in dims):
         raise InputError(f"{kernel}: shape {shape!r} is not {fields} with positive integers")
     return dims
+
+
+def tma_layout(t: Any) -> str:
+    """How a tensor descriptor (TMA) can describe the 2-D tensor ``t``: ``"row"`` (unit
+    stride along dim 1), ``"col"`` (unit stride along dim 0: describe ``t.T``), or ``""``.
+
+    The copy engine needs a 16-byte aligned base and 16-byte aligned strides in every
+    dimension but the unit-stride one. Cheap enough for ``problem`` functions.
+    """
+    if t.dim() != 2 or t.data_ptr() % 16:
+        return ""
+    s0, s1 = t.stride()
+    size = t.element_size()
+    if s1 == 1 and (s0 * size) % 16 == 0:
+        return "row"
+    if s0 == 1 and (s1 * size) % 16 == 0:
+        return "col"
+    return ""
