@@ -15,6 +15,12 @@ from .hookspecs import hookimpl
 FAMILIES = (
     "vector_add",
     "softmax",
+    "asin",
+    "dropout",
+    "layer_norm",
+    "flash_attn",
+    "matmul",
+    "grouped_matmul",
 )
 
 

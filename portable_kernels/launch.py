@@ -6,6 +6,7 @@ variant on the same device.
 """
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -57,14 +58,17 @@ class LaunchPlan:
             )
         return self.configs[0]
 
-    def autotuned(self, fn: Any, key: Sequence[str], **autotune_kwargs: Any) -> Any:
+    def autotuned(self, fn: Any, key: Sequence[str], config_pre_hook: Callable[[dict], None] | None = None,
+                  **autotune_kwargs: Any) -> Any:
         """``fn`` (a ``@triton.jit`` kernel) wrapped in ``triton.autotune`` over this plan's
         configs, keyed on the argument names ``key``. Built once per plan and kernel.
         Results persist per device fingerprint across processes (see ``tuning_cache``).
 
         ``autotune_kwargs`` go to ``triton.autotune`` (``prune_configs_by``,
         ``reset_to_zero``, ...). With a single config no benchmarking happens, which is
-        what the interpreter needs.
+        what the interpreter needs. ``config_pre_hook(nargs)`` is set as every config's
+        ``pre_hook``: it runs before each launch with the chosen config (e.g. to size host
+        tensor descriptors' block shapes to the config's blocks).
         """
         tuned = self._tuned.get(fn)
         if tuned is None:
@@ -72,7 +76,12 @@ class LaunchPlan:
                 tuned = self._tuned.get(fn)
                 if tuned is None:
                     _ = self.config  # clear error when there are none
-                    tuned = triton.autotune(configs=self.configs, key=list(key), **autotune_kwargs)(fn)
+                    configs = self.configs
+                    if config_pre_hook is not None:
+                        configs = [copy.copy(c) for c in configs]
+                        for c in configs:
+                            c.pre_hook = config_pre_hook
+                    tuned = triton.autotune(configs=configs, key=list(key), **autotune_kwargs)(fn)
                     name = getattr(fn, "__name__", None) or fn.fn.__name__
                     entry = f"{self.variant.kernel}/{self.variant.name}/{name}"
                     tuned = tuning_cache.attach(tuned, self.device.fingerprint, entry)

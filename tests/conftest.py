@@ -55,6 +55,20 @@ def fresh_host():
     plugins.install_host(old)
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make ``torch.empty`` return NaN-filled float tensors for the test, so an output
+    element a launcher allocates but its kernel never writes shows up as NaN instead of as
+    whatever the memory held."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 def pytest_report_header(config):
     return f"portable-kernels test device: {DEVICE} ({'interpreter' if ON_CPU else 'compiled'})"
 

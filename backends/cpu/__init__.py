@@ -11,6 +11,9 @@ portability adjustments as its own settings:
 - One config per kernel (``tuning.py``): the interpreter cannot autotune.
 - ``UPCAST=True`` on every variant that has that switch: the interpreter keeps bf16 values
   as raw bits, so bf16 arithmetic and dots must run in fp32.
+- Variants that avoid what the interpreter lacks: ``asin``'s ``cpu.polynomial`` (no
+  libdevice), registered here with its switches; the kernel body stays in the family's
+  module.
 
 On a GPU machine where kernels were compiled, a CPU tensor gets a ``DeviceError`` that says
 how to use the interpreter instead of a Triton driver traceback.
@@ -22,7 +25,7 @@ import platform
 
 import triton
 
-from portable_kernels import DeviceError, DeviceInfo, _interpreter, hookimpl
+from portable_kernels import DeviceError, DeviceInfo, Variant, _interpreter, hookimpl
 
 from . import tuning
 
@@ -80,3 +83,19 @@ def pk_variant_switches(kernel, variant, device):
     if device.vendor == "cpu" and "UPCAST" in variant.switches:
         return {"UPCAST": True}
     return None
+
+
+@hookimpl
+def pk_register_variants(registry):
+    # Imported here, not at the top: kernels are decorated only after pk_runtime_setup has
+    # turned the interpreter on. The kernel body stays in the family's module; this
+    # variant is only its libdevice-free switch setting.
+    from portable_kernels.kernels import _host, asin
+
+    registry.add_variant(Variant(
+        "asin", "cpu.polynomial", asin.launch, accepts=_host.dtype_supported,
+        switches={"USE_LIBDEVICE": False}, configs=asin.default_configs,
+        # A fallback: below generic wherever libdevice exists, the only runnable variant
+        # where it does not (the interpreter). It requires nothing, so it runs anywhere.
+        priority=-10,
+        description="fp32 minimax polynomial with range reduction, no libdevice"))

@@ -14,6 +14,29 @@ from portable_kernels_backends import _common
 _CONFIGS: dict[tuple[str, str | None], triton.Config] = {
     ("vector_add", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
     ("softmax", None): triton.Config({"MAX_BLOCK_N": 1024}, num_warps=1),
+    ("dropout", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
+    ("asin", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
+    # Programs run one at a time here, so the lock never contends; two partial rows still
+    # make programs share one, which is the path worth exercising.
+    ("layer_norm", None): triton.Config({"MAX_BLOCK_N": 1024, "TILE": 16384, "GROUPS": 2},
+                                        num_warps=1),
+    # GEMMs: 64-wide tiles in every dimension, so a test-sized problem is a few programs
+    # of one or two K steps. The TMA variants, when forced here, also exercise their
+    # two-halves epilogue.
+    ("matmul", None): triton.Config(
+        {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 4}, num_warps=1),
+    ("matmul", "nvidia.persistent_tma"): triton.Config(
+        {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 4,
+         "EPILOGUE_SUBTILE": True}, num_warps=1),
+    ("grouped_matmul", None): triton.Config(
+        {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 4}, num_warps=1),
+    ("grouped_matmul", "nvidia.tma"): triton.Config(
+        {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 4,
+         "EPILOGUE_SUBTILE": True}, num_warps=1),
+    # Attention: each key-loop step costs about 4 ms whatever the tile, so tiles are large;
+    # 64 (not 128) still gives test-sized sequences several query and key blocks, which
+    # exercises the causal diagonal and both loop stages. Every variant, forward and back.
+    ("flash_attn", None): triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=1),
 }
 
 

@@ -23,9 +23,52 @@ def _softmax(device: DeviceInfo) -> list[triton.Config]:
     return [triton.Config({"MAX_BLOCK_N": 8192}, num_warps=min(16, _common.max_warps(device)))]
 
 
+def _dropout(device: DeviceInfo) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=min(4, _common.max_warps(device)))]
+
+
+def _asin(device: DeviceInfo) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=min(4, _common.max_warps(device)))]
+
+
+def _layer_norm(device: DeviceInfo) -> list[triton.Config]:
+    return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64},
+                          num_warps=min(8, _common.max_warps(device)))]
+
+
+def _gemm(device: DeviceInfo, bk: int) -> triton.Config:
+    # CoreX: 64x64 output tiles with 4 warps of 64 lanes (256 threads) and num_stages 1,
+    # i.e. no software pipelining of the K loop.
+    return triton.Config({"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8},
+                         num_warps=min(4, _common.max_warps(device)), num_stages=1)
+
+
+def _matmul(device: DeviceInfo) -> list[triton.Config]:
+    return [_gemm(device, 64), _gemm(device, 32)]
+
+def flash_attn_configs(device: DeviceInfo) -> list[triton.Config]:
+    """The seed's Iluvatar FlashAttention tiling: 64x64 tiles, 4 warps of 64 lanes, no
+    software pipelining (num_stages 1). Rows wider than 256 bytes (fp16 D=256, fp32
+    D>64) halve the key tile to keep K, V and the accumulator within registers and LDS.
+    Also the configs of the iluvatar.* variants on devices whose backend has none."""
+    warps = min(4, _common.max_warps(device))
+    return [
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "ROW_BYTES_MAX": 256},
+                      num_warps=warps, num_stages=1),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BWD_BLOCK_M": 32, "BWD_BLOCK_N": 32},
+                      num_warps=warps, num_stages=1),
+    ]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
+    ("flash_attn", None): flash_attn_configs,
+    ("matmul", None): _matmul,
+    ("grouped_matmul", None): _matmul,
     ("vector_add", None): _vector_add,
     ("softmax", None): _softmax,
+    ("dropout", None): _dropout,
+    ("asin", None): _asin,
+    ("layer_norm", None): _layer_norm,
 }
 
 

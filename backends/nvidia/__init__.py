@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from portable_kernels import DeviceInfo, hookimpl
+from portable_kernels import DeviceInfo, Variant, hookimpl
 from portable_kernels_backends import _common
 
 from . import tuning
@@ -70,3 +70,34 @@ def pk_tuning_configs(kernel, variant, device):
     if device.vendor != VENDOR:
         return None
     return tuning.configs(kernel, variant.name, device)
+
+
+def _hopper_priority(device: DeviceInfo) -> int:
+    """First where wgmma exists (Hopper and later). Elsewhere below generic: the
+    interpreter also runs descriptors and warp-specialized loops, so the variant stays
+    runnable (and testable when forced with ``use_variant``) but is never chosen."""
+    return 100 if device.has("wgmma") else -10
+
+
+@hookimpl
+def pk_register_variants(registry):
+    # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
+    # Each variant is a switch setting of its family's one kernel; the bodies stay in
+    # portable_kernels/kernels/.
+    from portable_kernels.kernels import grouped_matmul, matmul
+
+    registry.add_variant(Variant(
+        "matmul", "nvidia.persistent_tma", matmul.launch,
+        requires={"tensor_descriptor", "warp_specialize"}, priority=_hopper_priority,
+        accepts=matmul.tma_accepts,
+        switches={"TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True, "UPCAST": False},
+        configs=tuning.matmul_persistent_tma,
+        description="persistent grid of min(SMs, tiles) in grouped order; TMA loads and "
+        "stores through host tensor descriptors; warp-specialized K loop; epilogue subtiling"))
+    registry.add_variant(Variant(
+        "grouped_matmul", "nvidia.tma", grouped_matmul.launch,
+        requires={"tensor_descriptor"}, priority=_hopper_priority,
+        accepts=grouped_matmul.tma_accepts, switches={"TMA": True, "UPCAST": False},
+        configs=tuning.grouped_matmul_tma,
+        description="persistent grid over every group's tiles; device-side tensor "
+        "descriptors per group (tl.make_tensor_descriptor, scratch from an allocator)"))

@@ -25,10 +25,128 @@ def _softmax(device: DeviceInfo) -> list[triton.Config]:
     return [triton.Config({"MAX_BLOCK_N": 8192}, num_warps=16)]
 
 
+def _dropout(device: DeviceInfo) -> list[triton.Config]:
+    # Ten Philox rounds make this integer-heavy for an elementwise kernel: 8 elements per
+    # thread, not the 16 bytes per thread a pure copy wants.
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
+
+
+def _asin(device: DeviceInfo) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
+
+
+def _layer_norm(device: DeviceInfo) -> list[triton.Config]:
+    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. 64
+    # partial rows spread the dweight/dbias lock over the SMs.
+    return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=8)]
+
+
+def _gemm(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8, **extra) -> triton.Config:
+    return triton.Config({"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk,
+                          "GROUP_SIZE_M": group, **extra}, num_stages=stages, num_warps=warps)
+
+
+def _matmul(device: DeviceInfo) -> list[triton.Config]:
+    # Pointer loads (cp.async pipelines on sm_80+): the spread of Triton's matmul tutorial,
+    # big tiles for big problems, narrow ones so that small M or N still fill the SMs.
+    # Configs whose stages do not fit shared memory (fp32 operands) fail to compile and
+    # the autotuner skips them.
+    return [
+        _gemm(128, 256, 64, 3, 8),
+        _gemm(128, 128, 64, 4, 8),
+        _gemm(64, 256, 32, 4, 4),
+        _gemm(128, 128, 32, 4, 4),
+        _gemm(128, 64, 32, 4, 4),
+        _gemm(64, 128, 32, 4, 4),
+        _gemm(128, 32, 32, 4, 4),
+        _gemm(64, 32, 32, 5, 2),
+        _gemm(32, 64, 32, 5, 2),
+    ]
+
+
+def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
+    # sm_90: wgmma works on 64 rows per warpgroup (4 warps). Shared memory (227 KB) holds
+    # stages x (A + B tiles) plus the epilogue buffer, which the two-halves epilogue
+    # halves: that is what lets 128x256x64 keep three or four stages. 64-row tiles serve
+    # small M (decode-sized GEMMs).
+    # Warp specialization (triton 3.6, sm_90, checked by compiling for sm_90): with 4 warps
+    # and 64x128 tiles it splits producer and consumer warps; with 8 warps it leaves the
+    # loop software-pipelined; with 4 warps and larger tiles the compiler fails, so no
+    # config here has that combination.
+    return [
+        _gemm(128, 256, 64, 3, 8, EPILOGUE_SUBTILE=True),
+        _gemm(128, 256, 64, 4, 8, EPILOGUE_SUBTILE=True),
+        _gemm(128, 128, 64, 4, 8, EPILOGUE_SUBTILE=False),
+        _gemm(128, 128, 128, 3, 8, EPILOGUE_SUBTILE=True),
+        _gemm(128, 64, 64, 4, 8, EPILOGUE_SUBTILE=False),
+        _gemm(64, 256, 64, 4, 8, EPILOGUE_SUBTILE=True),
+        _gemm(64, 128, 128, 4, 4, EPILOGUE_SUBTILE=False),
+        _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+    ]
+
+
+def _grouped_matmul(device: DeviceInfo) -> list[triton.Config]:
+    # One program per SM walks every group's tiles; mid-sized tiles balance small groups
+    # (few tiles each) against large ones.
+    return [
+        _gemm(128, 128, 64, 3, 8),
+        _gemm(128, 128, 32, 4, 4),
+        _gemm(64, 128, 64, 4, 4),
+        _gemm(128, 64, 64, 4, 4),
+        _gemm(64, 64, 64, 4, 4),
+    ]
+
+
+def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
+    return [
+        _gemm(128, 256, 64, 3, 8, EPILOGUE_SUBTILE=True),
+        _gemm(128, 128, 64, 4, 8, EPILOGUE_SUBTILE=True),
+        _gemm(128, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+        _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+    ]
+
 # (kernel, variant) first, then (kernel, None) for every variant of the kernel.
+def _attn(bm, bn, warps, stages, bwd_bm, bwd_bn, bwd_warps, bwd_stages, row_bytes=None) -> triton.Config:
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd_bm, "BWD_BLOCK_N": bwd_bn,
+              "BWD_NUM_WARPS": bwd_warps, "BWD_NUM_STAGES": bwd_stages}
+    if row_bytes is not None:
+        kwargs["ROW_BYTES_MAX"] = row_bytes
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
+
+
+def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
+    # By the bytes of one padded K/V row (BLOCK_D x element size): the launcher takes the
+    # first entry that fits. Chosen from sm_90 compiles of the pointer-load kernels (ptxas
+    # -v): the largest tiles with no register spills and shared memory within 227 KB,
+    # forward (fp32 accumulator of BLOCK_M x D) and backward (dk, dv accumulators of
+    # BLOCK_N x D: narrower tiles) alike.
+    if device.shared_memory >= 200 * 1024:  # Hopper and later
+        return [
+            _attn(128, 128, 8, 3, 64, 128, 8, 2, row_bytes=128),   # fp16 D<=64
+            _attn(128, 64, 8, 3, 32, 128, 8, 2, row_bytes=256),    # fp16 D<=128, fp32 D<=64
+            _attn(128, 64, 8, 2, 32, 32, 8, 2, row_bytes=512),     # fp16 D=256, fp32 D<=128
+            _attn(32, 32, 4, 1, 16, 32, 4, 1),                     # fp32 D=256
+        ]
+    # Ampere-class shared memory (~164 KB): the same shapes, one stage fewer.
+    return [
+        _attn(128, 64, 4, 2, 64, 64, 4, 2, row_bytes=128),
+        _attn(64, 64, 4, 2, 32, 64, 4, 2, row_bytes=256),
+        _attn(64, 32, 4, 2, 32, 32, 4, 1, row_bytes=512),
+        _attn(32, 32, 4, 1, 16, 32, 4, 1),
+    ]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
+    ("flash_attn", None): _flash_attn,
+    ("matmul", None): _matmul,
+    ("matmul", "nvidia.persistent_tma"): matmul_persistent_tma,
+    ("grouped_matmul", None): _grouped_matmul,
+    ("grouped_matmul", "nvidia.tma"): grouped_matmul_tma,
     ("vector_add", None): _vector_add,
     ("softmax", None): _softmax,
+    ("dropout", None): _dropout,
+    ("asin", None): _asin,
+    ("layer_norm", None): _layer_norm,
 }
 
 

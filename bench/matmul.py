@@ -1,0 +1,263 @@
+"""matmul throughput on an NVIDIA GPU: our variants against cuBLAS in the same run.
+
+Rows: square problems (1024 to 8192) and LLM-shaped ones (M in {16, 128, 4096} tokens,
+N and K in {4096, 14336}), in fp16 and bf16, on fresh ``torch.randn`` inputs. Columns:
+
+- ``cublas``: ``torch.matmul`` (cuBLAS, what PyTorch users get);
+- ``cublaslt``: cuBLASLt through Triton's own binding (``triton._C.libtriton.nvidia``),
+  when this Triton build has it (it computes ``a @ b_t.T``, so ``b`` is passed as (N, K));
+- ``persistent_tma``: our ``nvidia.persistent_tma`` variant, forced;
+- ``persistent_tma_nows``: the same kernel with ``WARP_SPECIALIZE=False`` (an ablation:
+  does the warp-specialized K loop pay off on this GPU and Triton?);
+- ``generic``: our ``generic`` variant (pointer loads, one program per tile), forced.
+
+Each of ours is checked against ``torch.matmul`` in fp32 (the library's "dot" tolerance)
+before it is timed; a wrong result is reported and not timed. Times are the median of
+``triton.testing.do_bench`` (CUDA events; with ``--cudagraph`` replayed from a graph, which
+removes host overhead from small problems). The first call of each problem size autotunes
+our kernels; results persist in the library's tuning cache (``PK_CACHE_DIR``).
+
+    python bench/matmul.py [--quick] [--out PREFIX] [--dtypes fp16,bf16] [--cudagraph]
+
+Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (so an interrupted run keeps what
+it measured) and ``PREFIX.png`` at the end when matplotlib is installed.
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from portable_kernels import dispatch
+from portable_kernels.kernels import matmul as matmul_module
+from portable_kernels.launch import LaunchPlan
+from portable_kernels.testing import max_error, tolerance
+
+SQUARE = [1024, 2048, 4096, 8192]
+LLM_M = [16, 128, 4096]
+LLM_NK = [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336)]
+QUICK = [(4096, 4096, 4096), (16, 4096, 4096), (4096, 14336, 4096)]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TMA = "nvidia.persistent_tma"
+DEVICE = "cuda"
+OURS = ("persistent_tma", "persistent_tma_nows", "generic")
+METHODS = ("cublas", "cublaslt") + OURS
+
+
+def shapes(quick: bool) -> list[tuple[int, int, int]]:
+    if quick:
+        return QUICK
+    return [(s, s, s) for s in SQUARE] + [(m, n, k) for m in LLM_M for n, k in LLM_NK]
+
+
+def cublaslt_matmul():
+    """``fn(a, b_t, out)`` through Triton's cuBLASLt binding, or None when absent."""
+    try:
+        from triton._C.libtriton import nvidia
+
+        workspace = torch.empty(32 * 1024 * 1024, device=DEVICE, dtype=torch.uint8)
+        handle = nvidia.cublas.CublasLt(workspace)
+    except Exception:  # an older/newer Triton without the binding
+        return None
+    return handle.matmul
+
+
+class Ours:
+    """Our launch plans, as dispatch builds them, plus the no-warp-specialization ablation
+    (built once, so that its autotuning results carry from row to row)."""
+
+    def __init__(self) -> None:
+        self.nows: LaunchPlan | None = None
+
+    def plans(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, LaunchPlan]:
+        out = {}
+        for name, variant in (("persistent_tma", TMA), ("generic", "generic")):
+            with pk.use_variant(matmul=variant):
+                out[name] = dispatch._launch_plan(pk.explain("matmul", a, b))
+        if self.nows is None:
+            tma = out["persistent_tma"]
+            # A variant name of its own, so that its tuning results are stored apart.
+            variant = dataclasses.replace(tma.variant, name="nvidia.persistent_tma_nows")
+            self.nows = LaunchPlan(variant, tma.device, tma.configs,
+                                   dict(tma.switches, WARP_SPECIALIZE=False))
+        out["persistent_tma_nows"] = self.nows
+        return {name: out[name] for name in OURS}
+
+
+def best_config(plan: LaunchPlan) -> str:
+    """The config the plan's autotuner chose last (it ran just before)."""
+    tuned = plan.autotuned(matmul_module._matmul_kernel, key=[])  # the cached autotuner
+    config = getattr(tuned, "best_config", None)
+    return "" if config is None else str(config)
+
+
+def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
+    a = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    b = torch.randn(k, n, device=DEVICE, dtype=dtype)
+    b_t = b.t().contiguous()
+    c = torch.empty(m, n, device=DEVICE, dtype=dtype)
+    ref = torch.matmul(a.float(), b.float())
+    tol = tolerance(dtype, "dot")
+    flops = 2.0 * m * n * k
+    row = {"M": m, "N": n, "K": k, "dtype": str(dtype).replace("torch.", ""),
+           "tflops": {}, "ms": {}, "error": {}, "config": {}}
+
+    def cublaslt():
+        lt(a, b_t, c)  # c = a @ b_t.T
+        return c
+
+    fns = {"cublas": lambda: torch.matmul(a, b)}
+    if lt is not None:
+        fns["cublaslt"] = cublaslt
+    try:
+        plans = ours.plans(a, b)
+    except Exception as exc:
+        plans = {}
+        for name in OURS:
+            row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    for name, plan in plans.items():
+        fns[name] = (lambda plan: lambda: matmul_module.launch(plan, a, b))(plan)
+
+    for name, fn in fns.items():
+        try:
+            out = fn()  # also compiles and autotunes ours
+            torch.cuda.synchronize()
+        except Exception as exc:
+            row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        if name in plans:
+            row["config"][name] = best_config(plans[name])
+        err, ratio_ = max_error(out, ref, tol)
+        if not ratio_ <= 1.0:
+            row["error"][name] = f"WRONG: max abs error {err:.3g} ({ratio_:.3g}x {tol})"
+            continue
+        if args.cudagraph:
+            ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        else:
+            ms = triton.testing.do_bench(fn, return_mode="median")
+        row["ms"][name] = ms
+        row["tflops"][name] = flops / (ms * 1e-3) / 1e12
+    return row
+
+
+def ratio(row: dict, name: str) -> float | None:
+    t, base = row["tflops"].get(name), row["tflops"].get("cublas")
+    return None if t is None or not base else t / base
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    cols = [m for m in METHODS if any(m in r["tflops"] or m in r["error"] for r in rows)]
+    lines = [header, "", "TFLOP/s (ratio to cuBLAS = torch.matmul)", "",
+             "| M | N | K | dtype | " + " | ".join(cols) + " |",
+             "|---:|---:|---:|:---|" + "---:|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            if c in r["tflops"]:
+                q = ratio(r, c)
+                cells.append(f"{r['tflops'][c]:.1f}" + ("" if c == "cublas" or q is None else f" ({q:.2f})"))
+            elif c in r["error"]:
+                cells.append("WRONG" if r["error"][c].startswith("WRONG") else "error")
+            else:
+                cells.append("n/a")
+        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {r['dtype']} | " + " | ".join(cells) + " |")
+    errors = [(r, n, e) for r in rows for n, e in r["error"].items()]
+    if errors:
+        lines += ["", "Errors:", ""]
+        lines += [f"- {r['M']}x{r['N']}x{r['K']} {r['dtype']} {n}: {e}" for r, n, e in errors]
+    configs = [(r, n, c) for r in rows for n, c in r["config"].items() if c]
+    if configs:
+        lines += ["", "Autotuned configs:", ""]
+        lines += [f"- {r['M']}x{r['N']}x{r['K']} {r['dtype']} {n}: `{c}`" for r, n, c in configs]
+    return "\n".join(lines) + "\n"
+
+
+def write(prefix: Path, rows: list[dict], meta: dict, header: str) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    prefix.with_suffix(".md").write_text(markdown(rows, header))
+
+
+def plot(prefix: Path, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [m for m in METHODS if any(m in r["tflops"] for r in rows)]
+    labels = [f"{r['M']}x{r['N']}x{r['K']}\n{r['dtype']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        ax.bar([x + i * width for x in range(len(rows))], [r["tflops"].get(name, 0) for r in rows],
+               width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(prefix.with_suffix(".png"), dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
+    parser.add_argument("--out", default="matmul-bench", help="path prefix of the .json/.md/.png")
+    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available() or torch.version.hip:
+        sys.exit("bench/matmul.py measures NVIDIA GPUs (cuBLAS, TMA); no CUDA GPU here. "
+                 "On the CPU interpreter every launch costs milliseconds, so there is nothing "
+                 "to compare; run the tests instead (python -m pytest tests/test_matmul.py).")
+    info = pk.device_info("cuda")
+    if "interpreter" in info.capabilities:
+        sys.exit("bench/matmul.py: kernels run under Triton's interpreter in this process "
+                 "(TRITON_INTERPRET/PK_INTERPRET is set); unset it to benchmark compiled kernels")
+    dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
+    lt = cublaslt_matmul()
+    prefix = Path(args.out)
+    header = (f"matmul on {info.name} ({info.arch}, {info.num_sms} SMs) · torch {torch.__version__} · "
+              f"triton {triton.__version__} · median of do_bench"
+              + (" (CUDA graphs)" if args.cudagraph else "")
+              + ("" if lt is not None else " · cuBLASLt binding not available"))
+    meta = {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
+            "cudagraph": args.cudagraph, "cublaslt": lt is not None}
+    print(header)
+    print(f"{'M':>6} {'N':>6} {'K':>6} {'dtype':>8} " + " ".join(f"{m:>20}" for m in METHODS))
+    rows = []
+    ours = Ours()
+    start = time.time()
+    for dtype in dtypes:
+        for m, n, k in shapes(args.quick):
+            row = bench_row(m, n, k, dtype, args, lt, ours)
+            rows.append(row)
+            cells = []
+            for name in METHODS:
+                if name in row["tflops"]:
+                    q = ratio(row, name)
+                    cells.append(f"{row['tflops'][name]:8.1f}" + (f" ({q:4.2f})" if q is not None and name != "cublas" else "       "))
+                else:
+                    cells.append("WRONG" if row["error"].get(name, "").startswith("WRONG")
+                                 else ("error" if name in row["error"] else "n/a"))
+            print(f"{m:6d} {n:6d} {k:6d} {row['dtype']:>8} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+            write(prefix, rows, {**meta, "elapsed_s": time.time() - start}, header)
+    plot(prefix, rows)
+    for r in rows:
+        for name, e in r["error"].items():
+            print(f"{r['M']}x{r['N']}x{r['K']} {r['dtype']} {name}: {e}")
+    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""grouped_matmul: ``[a_g @ b_g for g]``, independent GEMMs of different sizes in one launch.
+
+The host writes a table with one int64 row per group (the addresses of a, b and the output,
+M, N, K and the six strides) and launches a fixed grid: ``min(SMs, tiles)`` programs.
+Numbering every group's tiles one after another, program ``p`` computes tiles ``p, p + P,
+p + 2P, ...`` (``P`` programs): it walks the table once, and for each group steps through
+the tiles of that group that fall to it, in grouped (L2-friendly) order within the group.
+Small groups cost no idle programs, large ones spread over the whole device, and one
+launch replaces G.
+
+The tile steps (grouped order, main loops, epilogues) are ``_tiles.py``'s, shared with
+``matmul``.
+
+Constexpr switches:
+    TMA: each group's operands and output through tensor descriptors built on the device
+        (``tl.make_tensor_descriptor``; their 128-byte descriptors live in scratch memory from
+        the allocator the launcher installs around the launch). Only for problems whose
+        every group is row-major with 16-byte aligned rows.
+    ALIGNED (set per call, pointer path): every group is row-major with 16-byte aligned
+        rows. The compiler cannot see through the table, so without this it must assume
+        any stride and load element by element; with it, the kernel fixes the inner strides
+        to 1 and states the alignment of the rest (``tl.multiple_of``), which lets loads be
+        vectorized.
+    UPCAST: fp32 dots (the interpreter's bf16 arithmetic is wrong).
+
+Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``, optionally
+``EPILOGUE_SUBTILE`` (TMA path), ``num_warps``, ``num_stages``; autotuned per number of
+groups and the largest group's sizes rounded up to powers of two.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, NamedTuple, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import KernelSpec, Variant
+from . import _host, _tiles
+from .matmul import TMA_DTYPES, fit_tiles
+
+NAME = "grouped_matmul"
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+# int64 values per group in the table: the addresses of a, b and c, then M, N, K, then
+# stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn.
+_ROW = tl.constexpr(12)
+
+
+# --- kernel ---------------------------------------------------------------------------------
+
+@triton.jit
+def _grouped_matmul_kernel(
+    # --- pointers ---
+    table_ptr,                      # int64 [G, _ROW]: one row per group, see _ROW
+    # --- sizes ---
+    G,                              # number of groups in the table
+    M_KEY, N_KEY, K_KEY,            # autotune key only: largest M, N, K rounded up to 2**n
+    # --- meta: config ---
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr = False,
+    # --- meta: switches and per-call facts ---
+    DTYPE: tl.constexpr = tl.float16,   # element type of every operand and output
+    VEC: tl.constexpr = 8,              # elements per 16 bytes (ALIGNED hints)
+    TMA: tl.constexpr = False,
+    ALIGNED: tl.constexpr = False,
+    UPCAST: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    # Global index of the current group's first tile (a tensor: it is carried by the loop).
+    first_tile = tl.full([], 0, tl.int32)
+    for g in range(G):
+        # --- the group's row of the table ---
+        row = table_ptr + g * _ROW
+        a_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
+        b_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
+        c_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+        M = tl.load(row + 3).to(tl.int32)
+        N = tl.load(row + 4).to(tl.int32)
+        K = tl.load(row + 5).to(tl.int32)
+        stride_am = tl.load(row + 6)
+        stride_ak = tl.load(row + 7)
+        stride_bk = tl.load(row + 8)
+        stride_bn = tl.load(row + 9)
+        stride_cm = tl.load(row + 10)
+        stride_cn = tl.load(row + 11)
+        num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
+        num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+        end_tile = first_tile + num_pid_m * num_pid_n
+        # This program's first tile here: the least t >= first_tile with t = pid (mod P).
+        start = first_tile + (pid - first_tile % num_programs + num_programs) % num_programs
+
+        if TMA:
+            # --- descriptors, built only by programs with tiles in this group ---
+            if start < end_tile:
+                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                                   block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_K])
+                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                                   block_shape=[BLOCK_SIZE_K, BLOCK_SIZE_N])
+                if EPILOGUE_SUBTILE:
+                    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                                       block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N // 2])
+                else:
+                    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                                       block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N])
+                for tile_id in tl.range(start, end_tile, num_programs):
+                    pid_m, pid_n = _tiles.grouped_tile(tile_id - first_tile, num_pid_m, num_pid_n,
+                                                       GROUP_SIZE_M)
+                    off_m = pid_m * BLOCK_SIZE_M
+                    off_n = pid_n * BLOCK_SIZE_N
+                    acc = _tiles.desc_mainloop(a_desc, b_desc, K, off_m, off_n,
+                                               BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
+                                               False, False, UPCAST, False)
+                    _tiles.desc_store(c_desc, acc, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                                      EPILOGUE_SUBTILE)
+        else:
+            if ALIGNED:
+                # Row-major with 16-byte aligned bases and rows (the host checked every group),
+                # so N, the output's row length, is a whole number of 16-byte vectors too.
+                N = tl.multiple_of(N, VEC)
+                a_ptr = tl.multiple_of(a_ptr, 16)
+                b_ptr = tl.multiple_of(b_ptr, 16)
+                c_ptr = tl.multiple_of(c_ptr, 16)
+                stride_am = tl.multiple_of(stride_am, VEC)
+                stride_bk = tl.multiple_of(stride_bk, VEC)
+                stride_cm = tl.multiple_of(stride_cm, VEC)
+                stride_ak = 1
+                stride_bn = 1
+                stride_cn = 1
+            for tile_id in tl.range(start, end_tile, num_programs):
+                pid_m, pid_n = _tiles.grouped_tile(tile_id - first_tile, num_pid_m, num_pid_n,
+                                                   GROUP_SIZE_M)
+                off_m = pid_m * BLOCK_SIZE_M
+                off_n = pid_n * BLOCK_SIZE_N
+                acc = _tiles.ptr_mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+                                          stride_bn, off_m, off_n,
+                                          BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, UPCAST)
+                _tiles.ptr_store(c_ptr, acc, M, N, stride_cm, stride_cn, off_m, off_n,
+                                 BLOCK_SIZE_M, BLOCK_SIZE_N)
+        first_tile = end_tile
+
+
+# --- host launcher --------------------------------------------------------------------------
+
+class Problem(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+    aligned: bool   # every a, b and output row-major with 16-byte aligned base and rows
+
+
+def _check_lists(list_a, list_b) -> None:
+    for name, value in (("list_a", list_a), ("list_b", list_b)):
+        if not isinstance(value, (list, tuple)):
+            raise _host.DTypeError(
+                f"{NAME}: {name} must be a list or tuple of tensors, got {type(value).__name__}")
+    if not list_a or not list_b:
+        raise _host.InputError(f"{NAME}: list_a and list_b must be non-empty")
+    if len(list_a) != len(list_b):
+        raise _host.InputError(
+            f"{NAME}: list_a has {len(list_a)} matrices but list_b has {len(list_b)}")
+
+
+def _aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (_host.tma_layout(a) == "row" and _host.tma_layout(b) == "row"
+            and (b.shape[1] * b.element_size()) % 16 == 0)
+
+
+def problem(list_a, list_b) -> Problem:
+    """Selection key of a ``grouped_matmul(list_a, list_b)`` call."""
+    _check_lists(list_a, list_b)
+    tensors = {}
+    for g, (a, b) in enumerate(zip(list_a, list_b)):
+        tensors[f"list_a[{g}]"] = a
+        tensors[f"list_b[{g}]"] = b
+    device = _host.same_device(NAME, **tensors)
+    aligned = all(_aligned(a, b) for a, b in zip(list_a, list_b))
+    return Problem(device, list_a[0].dtype, aligned)
+
+
+def tma_accepts(problem: Problem, device) -> str | None:
+    """Predicate of the descriptor variant: 16-bit, row-major, 16-byte aligned groups."""
+    if problem.dtype not in TMA_DTYPES:
+        return (f"{_host._dtype_name(problem.dtype)} operands stay on pointer loads (the TMA "
+                "path takes float16 and bfloat16)")
+    if not problem.aligned:
+        return ("some group is not row-major with 16-byte aligned base and rows (a, b and the "
+                "output), which device-side tensor descriptors need")
+    return _host.dtype_supported(problem, device)
+
+
+def _check(list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = list_a[0].dtype
+    for g, (a, b) in enumerate(zip(list_a, list_b)):
+        where = f"{NAME} group {g}"
+        _host.check_dtype(where, "a", a)
+        _host.check_dtype(where, "b", b)
+        _host.check_same_dtype(where, a=a, b=b)
+        if a.dtype != dtype:
+            raise _host.DTypeError(
+                f"{where}: dtype {_host._dtype_name(a.dtype)} differs from group 0's "
+                f"{_host._dtype_name(dtype)}; every group must have one dtype")
+        _host.check_ndim(where, "a", a, 2, "(M, K)")
+        _host.check_ndim(where, "b", b, 2, "(K, N)")
+        if a.shape[1] != b.shape[0]:
+            raise _host.InputError(
+                f"{where}: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)} "
+                "needs a.shape[1] == b.shape[0]")
+    return dtype
+
+
+def _prune(configs: list, nargs: dict, **kwargs) -> list:
+    return fit_tiles(configs, nargs["M_KEY"], nargs["N_KEY"])
+
+
+@contextlib.contextmanager
+def _scratch_allocator(device: torch.device) -> Iterator[None]:
+    """Device-side tensor descriptors need global scratch memory at launch: lend Triton a
+    torch allocator for the launch only, leaving the caller's own setting alone."""
+    from triton.runtime import _allocation
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    token = _allocation._allocator.set(alloc)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``[a @ b for a, b in zip(list_a, list_b)]`` in one launch. Each ``a`` is (M_g, K_g),
+    each ``b`` (K_g, N_g), any strides, all of one float dtype (fp16, bf16, fp32) and
+    device; fp32 accumulation. Returns new contiguous (M_g, N_g) tensors of that dtype."""
+    _check_lists(list_a, list_b)
+    dtype = _check(list_a, list_b)
+    device = list_a[0].device
+    outs = [torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=device)
+            for a, b in zip(list_a, list_b)]
+    rows, shapes = [], []
+    aligned = True
+    for a, b, c in zip(list_a, list_b, outs):
+        (M, K), N = a.shape, b.shape[1]
+        if M == 0 or N == 0:
+            continue
+        if K == 0:
+            c.zero_()
+            continue
+        rows.append([a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K,
+                     *a.stride(), *b.stride(), *c.stride()])
+        shapes.append((M, N, K))
+        aligned = aligned and _aligned(a, b)
+    if not rows:
+        return outs
+    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    num_sms = plan.device.num_sms
+
+    def grid(meta):
+        bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
+        tiles = sum(triton.cdiv(m, bm) * triton.cdiv(n, bn) for m, n, _ in shapes)
+        return (min(tiles, num_sms),)
+
+    keys = [triton.next_power_of_2(max(s[i] for s in shapes)) for i in range(3)]
+    kernel = plan.autotuned(_grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY"],
+                            prune_configs_by={"early_config_prune": _prune})
+    with _scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():
+        kernel[grid](
+            table, len(rows), *keys,
+            DTYPE=_TL_DTYPES[dtype], VEC=16 // list_a[0].element_size(), ALIGNED=aligned,
+            **plan.switches,
+        )
+    return outs
+
+
+# --- reference ------------------------------------------------------------------------------
+
+def reference(list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each ``a @ b`` in float64."""
+    return [a.double() @ b.double() for a, b in zip(list_a, list_b)]
+
+
+def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
+    """Random ``(list_a, list_b)`` of ``G`` groups for shape string ``"GxMxNxK"``; group
+    ``g`` has ``M * (g + 1) // G`` rows (at least 1), so sizes differ as in MoE layers."""
+    groups, m, n, k = _host.parse_shape(NAME, shape, "GxMxNxK")
+    rows = [max(1, m * (g + 1) // groups) for g in range(groups)]
+    list_a = [torch.randn(r, k, device=device).to(dtype) for r in rows]
+    list_b = [torch.randn(k, n, device=device).to(dtype) for _ in rows]
+    return (list_a, list_b), {}
+
+
+def default_configs(device) -> list:
+    return [triton.Config({"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8},
+                          num_warps=4, num_stages=3)]
+
+
+#: Switches of the portable baseline; other variants override some of them.
+GENERIC_SWITCHES = {"TMA": False, "UPCAST": False}
+
+
+def register(registry) -> None:
+    registry.add_kernel(KernelSpec(
+        NAME, "(list_a, list_b) -> list_out", problem,
+        "independent 2-D matrix products of different sizes in one launch",
+        reference, inputs=inputs, input_shape="GxMxNxK"))
+    registry.add_variant(Variant(
+        NAME, "generic", launch, accepts=_host.dtype_supported, switches=GENERIC_SWITCHES,
+        configs=default_configs,
+        description="persistent grid walking every group's tiles; masked pointer loads "
+        "from a device-side table of addresses, sizes and strides"))

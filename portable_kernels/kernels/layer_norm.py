@@ -1,0 +1,357 @@
+"""layer_norm: ``out = (x - mean) / sqrt(var + eps) * weight + bias`` over the last dim.
+
+``x`` is viewed as ``(M, N)`` rows (every leading dimension folded into M). Each program
+normalizes a tile of ``BLOCK_M`` rows, streaming the columns in ``BLOCK_N``-wide chunks, so
+any row length works; short rows get several per program instead of idle lanes. Mean and
+variance are taken in fp32 in two passes (the variance about the mean, not E[x^2] -
+E[x]^2, which cancels catastrophically for rows with a large mean). The forward also
+stores each row's mean and 1/std (fp32) for the backward.
+
+Backward (as Triton's tutorial 05): with ``xhat = (x - mean) * rstd`` and ``g = dy *
+weight``,
+
+    dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd          (per row)
+    dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
+
+``_layer_norm_bwd_dx_kernel`` writes dx and folds its tile's column sums of ``dy * xhat``
+and ``dy`` into one of ``G`` partial rows, chosen by program id modulo G, under a spin lock
+per partial row (``tl.atomic_cas`` to take it, ``tl.atomic_xchg`` to release). G is far
+below the number of programs, so ``_layer_norm_bwd_dwdb_kernel`` has only G rows to add
+into dweight and dbias, while spreading programs over G locks keeps them from queueing on
+one. A row longer than one chunk updates its partial row chunk by chunk, so the lock is
+taken per chunk and the partial rows start at zero (instead of the tutorial's first-writer
+flag, which would be needed per chunk). Under Triton's interpreter programs run one at a
+time, so the lock is never contended and never waits on a later program.
+
+Constexpr switches: none. Config: ``MAX_BLOCK_N`` (widest column chunk), ``TILE`` (elements
+per program tile, so ``BLOCK_M = TILE // BLOCK_N`` rows), ``GROUPS`` (most partial rows for
+dweight/dbias) and ``num_warps`` (the most a program uses; small tiles use fewer).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import KernelSpec, Variant
+from . import _host
+
+NAME = "layer_norm"
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+@triton.jit
+def _load_tile(ptr, rows, cols, row_stride, col_stride, mask):
+    """A (BLOCK_M, BLOCK_N) tile in fp32; masked lanes read 0 (neutral in every sum)."""
+    offs = rows[:, None] * row_stride + cols[None, :] * col_stride
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+# --- kernels --------------------------------------------------------------------------------
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr,              # inputs: x (M, N) strided, weight and bias (N,)
+    y_ptr, mean_ptr, rstd_ptr,        # outputs: y (M, N) contiguous rows, mean/rstd (M,) fp32
+    n_rows, n_cols,                   # sizes
+    x_row_stride, x_col_stride,       # x strides (elements)
+    y_row_stride,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # --- program id to a tile of rows ---
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)
+
+    # --- pass 1: mean (per-lane partial sums, reduced once after the loop) ---
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        mask = row_mask[:, None] & (c < n_cols)[None, :]
+        acc += _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+    mean = tl.sum(acc, axis=1) / n_cols
+
+    # --- pass 2: variance about the mean ---
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        mask = row_mask[:, None] & (c < n_cols)[None, :]
+        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        # Masked lanes read 0, but 0 - mean is not 0: zero them before squaring.
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        acc += d * d
+    var = tl.sum(acc, axis=1) / n_cols
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+    # --- pass 3: normalize, scale, shift, write back ---
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        col_mask = c < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+        y = (x - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(y_ptr + rows[:, None] * y_row_stride + c[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_dx_kernel(
+    dx_ptr, dy_ptr, x_ptr, w_ptr,     # dx (M, N) contiguous rows; dy, x (M, N) strided; w (N,)
+    mean_ptr, rstd_ptr,               # per-row statistics from the forward (fp32)
+    dw_part_ptr, db_part_ptr,         # (GROUPS, N) fp32 partial sums, zero-initialized
+    lock_ptr,                         # (GROUPS,) int32 spin locks, zero-initialized
+    n_rows, n_cols, n_groups,
+    x_row_stride, x_col_stride,
+    dy_row_stride, dy_col_stride,
+    dx_row_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # --- program id to a tile of rows, and to its partial row for dweight/dbias ---
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)
+    group = pid % n_groups
+    lock = lock_ptr + group
+    dw_part = dw_part_ptr + group.to(tl.int64) * n_cols
+    db_part = db_part_ptr + group.to(tl.int64) * n_cols
+    # Rows past the end read mean = rstd = 0, so their xhat and dx are 0.
+    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+
+    # --- pass 1: the row means of g * xhat and g (g = dy * w) ---
+    acc_gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        col_mask = c < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        dy = _load_tile(dy_ptr, rows, c, dy_row_stride, dy_col_stride, mask)
+        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+        # Masked lanes have dy = 0, hence g = 0, whatever xhat is there.
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :]
+        acc_gx += g * xhat
+        acc_g += g
+    c1 = tl.sum(acc_gx, axis=1) / n_cols
+    c2 = tl.sum(acc_g, axis=1) / n_cols
+
+    # --- pass 2: dx, and this tile's column sums into the group's partial row ---
+    for start in range(0, n_cols, BLOCK_N):
+        c = start + cols
+        col_mask = c < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        dy = _load_tile(dy_ptr, rows, c, dy_row_stride, dy_col_stride, mask)
+        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :]
+        dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + c[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        # Reduce the tile over its rows first, so the lock guards one row of adds.
+        part_dw = tl.sum(dy * xhat, axis=0)
+        part_db = tl.sum(dy, axis=0)
+        # Take the lock: atomic_cas swaps 0 -> 1 and returns the old value, so a 1 back
+        # means another program holds it.
+        while tl.atomic_cas(lock, 0, 1) == 1:
+            pass
+        part_dw += tl.load(dw_part + c, mask=col_mask, other=0.0)
+        part_db += tl.load(db_part + c, mask=col_mask, other=0.0)
+        tl.store(dw_part + c, part_dw, mask=col_mask)
+        tl.store(db_part + c, part_db, mask=col_mask)
+        # Release: atomic_xchg orders the stores above before the lock reads 0 again.
+        tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _layer_norm_bwd_dwdb_kernel(
+    dw_part_ptr, db_part_ptr,         # (n_groups, N) fp32 partial sums
+    dw_ptr, db_ptr,                   # outputs (N,), weight's dtype
+    n_groups, n_cols,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # --- program id to a block of columns; sum the partial rows down each column ---
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = c < n_cols
+    acc_dw = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_groups, BLOCK_G):
+        g = start + tl.arange(0, BLOCK_G)
+        mask = (g < n_groups)[:, None] & col_mask[None, :]
+        offs = g[:, None].to(tl.int64) * n_cols + c[None, :]
+        acc_dw += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
+        acc_db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+    tl.store(dw_ptr + c, tl.sum(acc_dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(db_ptr + c, tl.sum(acc_db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+
+
+# --- host launcher --------------------------------------------------------------------------
+
+class Problem(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+
+
+def problem(x, weight=None, bias=None, eps=1e-5) -> Problem:
+    """Selection key of a ``layer_norm(x, weight, bias, eps)`` call."""
+    return Problem(_host.tensor_device(NAME, "x", x), x.dtype)
+
+
+def _check(x, weight, bias, eps) -> None:
+    _host.same_device(NAME, x=x, weight=weight, bias=bias)
+    _host.check_dtype(NAME, "x", x)
+    _host.check_same_dtype(NAME, x=x, weight=weight, bias=bias)
+    if x.dim() == 0:
+        raise _host.InputError(f"{NAME}: x must have at least one dimension, got a scalar")
+    n = x.shape[-1]
+    for arg, t in (("weight", weight), ("bias", bias)):
+        if tuple(t.shape) != (n,):
+            raise _host.InputError(
+                f"{NAME}: {arg} must have shape ({n},) (x's last dimension), "
+                f"got {tuple(t.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise _host.DTypeError(f"{NAME}: eps must be a float, got {type(eps).__name__}")
+    if not 0.0 <= eps < float("inf"):  # also rejects NaN
+        raise _host.InputError(f"{NAME}: eps must be finite and >= 0, got eps={eps}")
+
+
+def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` from the plan's config."""
+    cfg = plan.config
+    block_n = min(triton.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
+    block_m = max(1, min(cfg.kwargs["TILE"] // block_n, triton.next_power_of_2(n_rows)))
+    # Roughly 8 fp32 values per thread per tile: fewer warps for small tiles.
+    num_warps = max(1, min(cfg.num_warps, block_m * block_n // 256))
+    return block_m, block_n, num_warps
+
+
+def _forward(plan, x, weight, bias, eps):
+    """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow."""
+    n_cols = x.shape[-1]
+    rows = x.reshape(-1, n_cols)
+    n_rows = rows.shape[0]
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y.reshape(x.shape), rows, mean, rstd
+    block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
+    _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        rows, weight, bias, y, mean, rstd,
+        n_rows, n_cols, rows.stride(0), rows.stride(1), y.stride(0), float(eps),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **plan.switches,
+    )
+    return y.reshape(x.shape), rows, mean, rstd
+
+
+def _backward(plan, dy, rows, weight, mean, rstd):
+    """(dx as (M, N), dweight, dbias) for the upstream gradient ``dy`` (M, N)."""
+    n_rows, n_cols = rows.shape
+    dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+    if dx.numel() == 0:
+        return dx, torch.zeros_like(weight), torch.zeros_like(weight)
+    block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
+    n_programs = triton.cdiv(n_rows, block_m)
+    n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
+    dw_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    db_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    locks = torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
+    _layer_norm_bwd_dx_kernel[(n_programs,)](
+        dx, dy, rows, weight, mean, rstd, dw_part, db_part, locks,
+        n_rows, n_cols, n_groups, rows.stride(0), rows.stride(1),
+        dy.stride(0), dy.stride(1), dx.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **plan.switches,
+    )
+    dw = torch.empty_like(weight)
+    db = torch.empty_like(weight)
+    block_g = min(triton.next_power_of_2(n_groups), 32)
+    block_c = max(1, min(block_n, plan.config.kwargs["TILE"] // block_g))
+    _layer_norm_bwd_dwdb_kernel[(triton.cdiv(n_cols, block_c),)](
+        dw_part, db_part, dw, db, n_groups, n_cols,
+        BLOCK_G=block_g, BLOCK_N=block_c, num_warps=max(1, min(num_warps, block_g * block_c // 256)),
+        **plan.switches,
+    )
+    return dx, dw, db
+
+
+def launch(plan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+           eps: float = 1e-5) -> torch.Tensor:
+    """Layer norm of ``x`` (..., N) over its last dimension, then ``* weight + bias``.
+
+    ``weight`` and ``bias`` have shape (N,) and ``x``'s dtype (fp16, bf16 or fp32) and
+    device; statistics are computed in fp32. Returns a new contiguous tensor of ``x``'s
+    shape and dtype. Inputs whose leading dimensions do not fold into one stride are
+    copied first. Differentiable in ``x``, ``weight`` and ``bias``.
+    """
+    _check(x, weight, bias, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return _LayerNormFunction.apply(x, weight, bias, eps, plan)
+    return _forward(plan, x, weight.contiguous(), bias.contiguous(), eps)[0]
+
+
+# --- autograd -------------------------------------------------------------------------------
+
+class _LayerNormFunction(torch.autograd.Function):
+    """Saves x (as rows), weight and the per-row mean and 1/std."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, plan):
+        weight = weight.contiguous()
+        y, rows, mean, rstd = _forward(plan, x, weight, bias.contiguous(), eps)
+        ctx.save_for_backward(rows, weight, mean, rstd)
+        ctx.plan = plan
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight, mean, rstd = ctx.saved_tensors
+        dy = grad_out.reshape(rows.shape)
+        dx, dw, db = _backward(ctx.plan, dy, rows, weight, mean, rstd)
+        return dx.reshape(grad_out.shape), dw, db, None, None
+
+
+# --- reference ------------------------------------------------------------------------------
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+              eps: float = 1e-5) -> torch.Tensor:
+    """Layer norm in float64 (differentiable, for gradient references)."""
+    return torch.nn.functional.layer_norm(
+        x.double(), (x.shape[-1],), weight.double(), bias.double(), eps)
+
+
+def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
+    """Random ``x`` (M, N), ``weight`` and ``bias`` (N,) (shape string ``"MxN"``)."""
+    rows, cols = _host.parse_shape(NAME, shape, "MxN")
+    x = torch.randn(rows, cols, device=device).to(dtype)
+    weight = (1 + 0.1 * torch.randn(cols, device=device)).to(dtype)
+    bias = (0.1 * torch.randn(cols, device=device)).to(dtype)
+    return (x, weight, bias), {}
+
+
+def default_configs(device) -> list:
+    return [triton.Config({"MAX_BLOCK_N": 4096, "TILE": 4096, "GROUPS": 64}, num_warps=8)]
+
+
+def register(registry) -> None:
+    registry.add_kernel(KernelSpec(
+        NAME, "(x, weight, bias, eps=1e-5) -> out", problem,
+        "layer norm over the last dim, fp32 statistics; differentiable", reference,
+        inputs, "MxN"))
+    registry.add_variant(Variant(
+        NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
+        description="row tiles streamed in column chunks; backward dweight/dbias partials "
+        "under an atomic_cas spin lock, reduced by a second kernel"))

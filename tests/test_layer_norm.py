@@ -1,0 +1,158 @@
+"""layer_norm against torch in float64: forward, gradients (dx, dweight, dbias), errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import portable_kernels as pk
+from portable_kernels.kernels.layer_norm import reference
+from portable_kernels.testing import Tolerance, assert_close, tolerance
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (1, 1): a one-element row (variance 0); (7, 13, 37): tails in every dimension;
+# (5, 2500): rows longer than the interpreter's 1024-wide chunk; (3, 1700, 37): more row
+# tiles than the partial rows (2 on the interpreter, 64 on GPUs), so programs share a lock.
+SHAPES = [(1, 1), (7, 13, 37), (5, 2500), (3, 1700, 37)]
+SHAPE_IDS = ["1x1", "odd-3d", "multi-chunk", "shared-lock"]
+
+
+def layer_norm(*args, **kwargs):
+    return pk.get_kernel("layer_norm")(*args, **kwargs)
+
+
+def _inputs(shape, gen, device, dtype, requires_grad=False):
+    n = shape[-1]
+    x = (2 * torch.randn(shape, generator=gen) + 0.5).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(n, generator=gen)).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    return [t.requires_grad_(requires_grad) for t in (x, w, b)]
+
+
+def _reference_grads(x, w, b, dy, eps=1e-5):
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    out = reference(*leaves, eps=eps)
+    out.backward(dy.double())
+    return out, [t.grad for t in leaves]
+
+
+def _dx_tolerance(tol: Tolerance, x, w, dy, eps=1e-5) -> Tolerance:
+    """``tol`` for dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w: a
+    difference of terms of size rstd * |g|, so its rounding error scales with those (and
+    GPUs, fusing multiply-adds, round them differently), not with dx, which cancels to 0
+    exactly in a one-element row."""
+    x64 = x.detach().double().reshape(-1, x.shape[-1])
+    rstd = (x64.var(-1, unbiased=False) + eps).rsqrt()
+    g = (dy.detach().double() * w.detach().double()).reshape(x64.shape)
+    bound = (rstd[:, None] * g.abs()).max()
+    return Tolerance(tol.atol + tol.rtol * float(bound), tol.rtol)
+
+
+def _column_sum_tolerance(tol: Tolerance, x, dy) -> Tolerance:
+    """``tol`` for dweight/dbias, sums over all M rows: fp32 summation error grows with the
+    sum of the terms' magnitudes, not with the (possibly cancelled) result, so the
+    table's rtol also applies to max over columns of sum |dy| * max(|xhat|, 1)."""
+    x64, dy64 = x.detach().double(), dy.detach().double()
+    xhat = torch.nn.functional.layer_norm(x64, (x.shape[-1],))
+    bound = (dy64.abs() * xhat.abs().clamp(min=1)).reshape(-1, x.shape[-1]).sum(0).max()
+    return Tolerance(tol.atol + tol.rtol * float(bound), tol.rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_forward_matches_torch(device, gen, dtype, shape):
+    x, w, b = _inputs(shape, gen, device, dtype)
+    out = layer_norm(x, w, b)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, reference(x, w, b), tolerance(dtype, "reduction"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_gradients_match_torch_autograd(device, gen, dtype, shape):
+    x, w, b = _inputs(shape, gen, device, dtype, requires_grad=True)
+    dy = torch.randn(shape, generator=gen).to(device, dtype)
+    out = layer_norm(x, w, b)
+    out.backward(dy)
+    ref, (dx, dw, db) = _reference_grads(x, w, b, dy)
+    tol = tolerance(dtype, "reduction")
+    assert_close(out, ref, tol, "out")
+    assert_close(x.grad, dx, _dx_tolerance(tol, x, w, dy), "dx")
+    assert_close(w.grad, dw, _column_sum_tolerance(tol, x, dy), "dweight")
+    assert_close(b.grad, db, _column_sum_tolerance(tol, x, dy), "dbias")
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == dtype
+
+
+def test_non_contiguous_inputs_and_gradient(device, gen):
+    base, w, b = _inputs((2, 41, 30), gen, device, torch.float32)
+    w.requires_grad_()
+    # Last-dim stride 2 (rows fold into a strided view, no copy), and a transpose whose
+    # leading dims do not fold (copied).
+    for view in (base[:, :, ::2], base.transpose(1, 2)[:, :, ::2]):
+        n = view.shape[-1]
+        x = view.detach().requires_grad_()
+        wn, bn = w.detach()[:n].clone().requires_grad_(), b[:n].clone().requires_grad_()
+        dy = torch.randn(tuple(reversed(view.shape)), generator=gen).to(device).permute(
+            *reversed(range(view.dim())))  # a non-contiguous upstream gradient
+        out = layer_norm(x, wn, bn)
+        out.backward(dy)
+        ref, (dx, dw, db) = _reference_grads(x, wn, bn, dy)
+        tol = tolerance(torch.float32, "reduction")
+        assert_close(out, ref, tol, "out")
+        assert_close(x.grad, dx, tol, "dx")
+        assert_close(wn.grad, dw, tol, "dweight")
+        assert_close(bn.grad, db, tol, "dbias")
+
+
+def test_eps_and_constant_rows(device, gen):
+    x, w, b = _inputs((6, 50), gen, device, torch.float32)
+    x[2] = 3.0  # variance 0: the output is the bias
+    out = layer_norm(x, w, b, eps=0.25)
+    assert_close(out, reference(x, w, b, eps=0.25), tolerance(torch.float32, "reduction"))
+    assert_close(out[2], b.double(), tolerance(torch.float32, "reduction"))
+
+
+def test_only_weight_requires_grad(device, gen):
+    x, w, b = _inputs((9, 20), gen, device, torch.float32)
+    w.requires_grad_()
+    dy = torch.randn(9, 20, generator=gen).to(device)
+    layer_norm(x, w, b).backward(dy)
+    _, (_, dw, _) = _reference_grads(x, w, b, dy)
+    assert_close(w.grad, dw, tolerance(torch.float32, "reduction"))
+    assert x.grad is None and b.grad is None
+
+
+def test_no_grad_builds_no_graph(device, gen):
+    x, w, b = _inputs((4, 10), gen, device, torch.float32, requires_grad=True)
+    with torch.no_grad():
+        out = layer_norm(x, w, b)
+    assert out.grad_fn is None
+    assert_close(out, reference(x, w, b), tolerance(torch.float32, "reduction"))
+
+
+def test_empty(device):
+    x = torch.empty(0, 5, device=device)
+    out = layer_norm(x, torch.ones(5, device=device), torch.zeros(5, device=device))
+    assert out.shape == (0, 5)
+
+
+def test_errors(device, gen):
+    x, w, b = _inputs((3, 8), gen, device, torch.float32)
+    with pytest.raises(ValueError, match=r"layer_norm: weight must have shape \(8,\).*got \(9,\)"):
+        layer_norm(x, torch.ones(9, device=device), b)
+    with pytest.raises(ValueError, match=r"layer_norm: bias must have shape \(8,\).*got \(1, 8\)"):
+        layer_norm(x, w, b[None])
+    with pytest.raises(TypeError, match="layer_norm: dtypes must match, but x is float32, "
+                       "weight is float16"):
+        layer_norm(x, w.half(), b)
+    with pytest.raises(ValueError, match="layer_norm: tensors must be on one device.*bias on meta"):
+        layer_norm(x, w, b.to("meta"))
+    with pytest.raises(TypeError, match="layer_norm: x has dtype int64"):
+        layer_norm(torch.ones(3, 8, dtype=torch.int64, device=device), w, b)
+    with pytest.raises(TypeError, match="layer_norm: weight must be a torch.Tensor"):
+        layer_norm(x, None, b)
+    with pytest.raises(ValueError, match="layer_norm: x must have at least one dimension"):
+        layer_norm(torch.tensor(1.0, device=device), w, b)
+    with pytest.raises(ValueError, match="layer_norm: eps must be finite and >= 0, got eps=-1"):
+        layer_norm(x, w, b, eps=-1.0)
+    with pytest.raises(TypeError, match="layer_norm: eps must be a float"):
+        layer_norm(x, w, b, eps="1e-5")

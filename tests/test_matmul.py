@@ -1,0 +1,191 @@
+"""matmul against a float64 reference: tails in every dimension, strided operands, every
+dtype, the Hopper variant forced, selection, errors and launch metadata."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import portable_kernels as pk
+from portable_kernels import dispatch
+from portable_kernels.errors import VariantUnavailableError
+from portable_kernels.kernels import matmul as matmul_module
+from portable_kernels.testing import assert_close, tolerance
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TMA = "nvidia.persistent_tma"
+
+# (M, N, K). On the interpreter (64-wide blocks, GROUP_SIZE_M 4): 67x45x33 has a tail in
+# every dimension; 130x72x200 runs four K steps with a tail (and its 16-byte aligned rows
+# select the TMA variant for 16-bit types on Hopper); 300x136x130 has five rows of tiles,
+# so the second group of the grouped order is a partial one.
+SHAPES = [(1, 1, 1), (67, 45, 33), (130, 72, 200), (300, 136, 130)]
+
+
+def _rand(gen, *shape, dtype, device):
+    return torch.randn(*shape, generator=gen).to(device, dtype)
+
+
+def _check(out, a, b):
+    assert out.shape == (a.shape[0], b.shape[1])
+    assert out.dtype == a.dtype and out.device == a.device and out.is_contiguous()
+    assert not torch.isnan(out).any(), "the kernel left output elements unwritten"
+    assert_close(out, matmul_module.reference(a, b), tolerance(a.dtype, "dot"), f"{tuple(out.shape)} {a.dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(device, gen, nan_empty, dtype, shape):
+    M, N, K = shape
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    _check(pk.get_kernel("matmul")(a, b), a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_operands(device, gen, nan_empty, dtype):
+    M, N, K = 67, 45, 33
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    a_t = _rand(gen, K, M, dtype=dtype, device=device).t()             # column-major
+    b_t = _rand(gen, N, K, dtype=dtype, device=device).t()
+    a_step = _rand(gen, M, 2 * K, dtype=dtype, device=device)[:, ::2]  # no unit stride at all
+    b_step = _rand(gen, 2 * K, N + 3, dtype=dtype, device=device)[::2, 3:]
+    mm = pk.get_kernel("matmul")
+    for x, y in ((a_t, b), (a, b_t), (a_t, b_t), (a_step, b_step), (a_step, b_t)):
+        _check(mm(x, y), x, y)
+
+
+def test_empty_dimensions(device):
+    mm = pk.get_kernel("matmul")
+    assert mm(torch.ones(0, 4, device=device), torch.ones(4, 5, device=device)).shape == (0, 5)
+    assert mm(torch.ones(3, 4, device=device), torch.ones(4, 0, device=device)).shape == (3, 0)
+    out = mm(torch.ones(3, 0, device=device, dtype=torch.float16), torch.ones(0, 5, device=device, dtype=torch.float16))
+    assert out.shape == (3, 5) and out.dtype == torch.float16 and not out.any()
+
+
+def test_errors(device):
+    mm = pk.get_kernel("matmul")
+    x = torch.ones(3, 4, device=device)
+    with pytest.raises(ValueError, match=r"inner dimensions differ: a \(3, 4\) @ b \(5, 6\)"):
+        mm(x, torch.ones(5, 6, device=device))
+    with pytest.raises(TypeError, match="dtypes must match, but a is float32, b is float16"):
+        mm(x, torch.ones(4, 2, device=device, dtype=torch.float16))
+    with pytest.raises(ValueError, match="tensors must be on one device"):
+        mm(x, torch.ones(4, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"a must be 2-D \(M, K\), got shape \(4,\)"):
+        mm(torch.ones(4, device=device), torch.ones(4, 2, device=device))
+    with pytest.raises(ValueError, match=r"b must be 2-D \(K, N\), got shape \(2, 4, 2\)"):
+        mm(x, torch.ones(2, 4, 2, device=device))
+    with pytest.raises(TypeError, match="a has dtype int32"):
+        mm(torch.ones(3, 4, device=device, dtype=torch.int32), torch.ones(4, 2, device=device, dtype=torch.int32))
+    with pytest.raises(TypeError, match="b must be a torch.Tensor, got list"):
+        mm(x, [[1.0]])
+
+
+def test_comparison_catches_a_wrong_result(device, gen):
+    # The check these tests rely on is not vacuous: one wrong element fails it.
+    a, b = _rand(gen, 67, 33, dtype=torch.float16, device=device), _rand(gen, 33, 45, dtype=torch.float16, device=device)
+    out = pk.get_kernel("matmul")(a, b)
+    out[66, 44] += 1
+    with pytest.raises(AssertionError, match="exceeds tolerance"):
+        _check(out, a, b)
+
+
+def test_launch_metadata():
+    meta = matmul_module._matmul_launch_metadata
+    kernel = matmul_module._matmul_kernel
+    # The hook is attached to the kernel (compiled: JITFunction; interpreter: its kwargs).
+    attached = getattr(kernel, "launch_metadata", None) or kernel.kwargs.get("launch_metadata")
+    assert attached is meta
+    out = torch.empty(3, 16, dtype=torch.float16)
+    for c in (out, TensorDescriptor.from_tensor(out, [1, 16])):
+        got = meta((1, 1, 1), types.SimpleNamespace(name="_matmul_kernel"), {"M": 3, "N": 16, "K": 7, "c": c})
+        assert got == {"name": "_matmul_kernel [M=3, N=16, K=7]", "flops16": 2.0 * 3 * 16 * 7,
+                       "bytes": 2 * (3 * 7 + 7 * 16 + 3 * 16)}
+
+
+def test_launch_metadata_reaches_profiler_hooks(device, gen):
+    if device.type == "cpu":
+        pytest.skip("the interpreter calls no launch hooks")
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get())
+
+    a = _rand(gen, 256, 128, dtype=torch.float16, device=device)
+    b = _rand(gen, 128, 64, dtype=torch.float16, device=device)
+    pk.get_kernel("matmul")(a, b)  # autotune first, so the hook sees one launch
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        pk.get_kernel("matmul")(a, b)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    ours = [m for m in seen if "[M=256, N=64, K=128]" in m.get("name", "")]
+    assert ours and ours[-1]["flops16"] == 2.0 * 256 * 64 * 128
+
+
+# --- the Hopper variant, forced (it runs on the interpreter too) ---------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tma_variant_layouts(device, gen, nan_empty, dtype):
+    # 72x48x40: tails in every dimension with 16-byte aligned rows in both layouts.
+    M, N, K = 72, 48, 40
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    a_t = _rand(gen, K, M, dtype=dtype, device=device).t()
+    b_t = _rand(gen, N, K, dtype=dtype, device=device).t()
+    mm = pk.get_kernel("matmul")
+    with pk.use_variant(matmul=TMA):
+        for x, y in ((a, b), (a_t, b), (a, b_t), (a_t, b_t)):
+            _check(mm(x, y), x, y)
+
+
+@pytest.mark.parametrize("subtile", [False, True])
+def test_tma_variant_many_tiles_per_program(device, gen, nan_empty, subtile):
+    # More tiles than programs (the CPU has few "SMs"; on a GPU, 40000 rows make 300 or
+    # more tiles for any config), walked persistently, stored whole or in halves.
+    M, N, K = 40000 if device.type != "cpu" else 300, 136, 200
+    a = _rand(gen, M, K, dtype=torch.float16, device=device)
+    b = _rand(gen, K, N, dtype=torch.float16, device=device)
+    with pk.use_variant(matmul=TMA):
+        base = dispatch._launch_plan(pk.explain("matmul", a, b))  # the device's configs, switches
+    config = base.configs[0]
+    config = triton.Config({**config.kwargs, "EPILOGUE_SUBTILE": subtile},
+                           num_warps=config.num_warps, num_stages=config.num_stages)
+    plan = pk.LaunchPlan(base.variant, base.device, [config], base.switches)
+    _check(matmul_module.launch(plan, a, b), a, b)
+
+
+def test_tma_variant_rejects_what_descriptors_cannot_take(device, gen):
+    mm = pk.get_kernel("matmul")
+    with pk.use_variant(matmul=TMA):
+        with pytest.raises(VariantUnavailableError, match="float32 operands stay on pointer loads"):
+            mm(torch.ones(16, 16, device=device), torch.ones(16, 16, device=device))
+        # K = 33 halves: rows of a are 66 bytes apart.
+        with pytest.raises(VariantUnavailableError, match="a cannot be described by a tensor descriptor"):
+            mm(torch.ones(16, 33, device=device, dtype=torch.float16), torch.ones(33, 16, device=device, dtype=torch.float16))
+        with pytest.raises(VariantUnavailableError, match="output rows"):
+            mm(torch.ones(16, 16, device=device, dtype=torch.float16), torch.ones(16, 8, device=device, dtype=torch.float16)[:, :7])
+
+
+def test_selection(device):
+    half = torch.ones(64, 64, device=device, dtype=torch.float16)
+    if device.type == "cpu":
+        # The interpreter can run the TMA variant but does not prefer it.
+        assert pk.explain("matmul", half, half).variant == "generic"
+    with pk.emulate("h100"):
+        assert pk.explain("matmul", half, half).variant == TMA
+        sel = pk.explain("matmul", half.float(), half.float())
+        assert sel.variant == "generic"
+        assert "float32 operands stay on pointer loads" in next(v for v in sel.verdicts if v.name == TMA).reason
+        # Unaligned rows fall back to generic, and explain says why.
+        odd = torch.ones(64, 33, device=device, dtype=torch.float16)
+        sel = pk.explain("matmul", odd, odd.t())
+        assert sel.variant == "generic"
+        assert "tensor descriptor" in next(v for v in sel.verdicts if v.name == TMA).reason
+    with pk.emulate("a100"):
+        sel = pk.explain("matmul", half, half)
+        assert sel.variant == "generic"
+        assert "tensor_descriptor" in next(v for v in sel.verdicts if v.name == TMA).reason
