@@ -54,3 +54,47 @@ def max_warps(device) -> int:
     """The most warps a program may have: warps x lanes stays within 1024 threads (so 16
     on 64-lane devices)."""
     return max(1, 1024 // device.warp_size)
+
+
+# --- configs shared by every GPU backend --------------------------------------------------
+# The memory-bound families need the same shapes on every vendor's GPU: enough bytes in
+# flight per thread, with num_warps clamped so that warps x lanes stay within 1024 threads.
+
+def _warps(device, n: int) -> int:
+    return min(n, max_warps(device))
+
+
+def _vector_add(device) -> "list[triton.Config]":
+    # 16-byte accesses per thread need BLOCK_SIZE >= 4 * lanes * num_warps.
+    return [triton.Config({"BLOCK_SIZE": 2048}, num_warps=_warps(device, 8))]
+
+
+def _softmax(device) -> "list[triton.Config]":
+    # Rows up to 8192 fp32 values stay in registers (16 warps x 32 lanes x 16 values).
+    return [triton.Config({"MAX_BLOCK_N": 8192}, num_warps=_warps(device, 16))]
+
+
+def _dropout(device) -> "list[triton.Config]":
+    # Ten Philox rounds make this integer-heavy for an elementwise kernel: 8 elements per
+    # thread, not the 16 bytes per thread a pure copy wants.
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=_warps(device, 4))]
+
+
+def _asin(device) -> "list[triton.Config]":
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=_warps(device, 4))]
+
+
+def _layer_norm(device) -> "list[triton.Config]":
+    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. 64
+    # partial rows spread the dweight/dbias lock over the SMs.
+    return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=_warps(device, 8))]
+
+
+#: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
+MEMORY_BOUND = {
+    ("vector_add", None): _vector_add,
+    ("softmax", None): _softmax,
+    ("dropout", None): _dropout,
+    ("asin", None): _asin,
+    ("layer_norm", None): _layer_norm,
+}

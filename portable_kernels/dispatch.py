@@ -178,6 +178,10 @@ def select(
         why = f"highest priority ({chosen.priority}) among runnable variants"
         if not losers:
             why = f"the only runnable variant (priority {chosen.priority})"
+        # The registering plugin's own account of the technique (and of its ranking).
+        description = host.registry.variants[spec.name][chosen.name].description
+        if description:
+            why += f": {description}"
     ordered = [dataclasses.replace(chosen, reason=why)]
     for v in sorted(verdicts, key=lambda v: (not v.runnable, -v.priority, v.name)):
         if v.name == chosen.name:
@@ -268,6 +272,16 @@ class KernelHandle:
         """The selection this call would make, without launching."""
         problem = self._problem(*args, **kwargs)
         return select(self.name, problem, problem.device)
+
+    def plan(self, *args: Any, **kwargs: Any) -> LaunchPlan:
+        """The :class:`LaunchPlan` this call would launch, without launching: for code that
+        runs a family's internal stages itself (``portable_kernels.ops`` runs forward and
+        backward as separate ops). Same cache and errors as a call."""
+        if plugins._HOST is not self._host:
+            self._bind()
+        key = (self._problem(*args, **kwargs), _context.current.get())
+        plan = self._cache.get(key)
+        return plan if plan is not None else self._resolve(key)
 
     def __repr__(self) -> str:
         return f"<portable_kernels kernel {self.name!r}>"

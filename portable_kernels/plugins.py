@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import threading
 import traceback
@@ -29,6 +30,7 @@ from .registry import Registry, UndeclaredKernelError
 __all__ = ["PluginHost", "PluginFailure", "host", "install_host", "reset"]
 
 ENTRY_POINT_GROUP = "portable_kernels"
+_log = logging.getLogger("portable_kernels")
 
 #: True once some host has run ``pk_runtime_setup`` in this process (see kernels/__init__).
 RUNTIME_READY = False
@@ -166,6 +168,9 @@ class PluginHost:
     def _record(self, plugin: str, stage: str, exc: BaseException, keep: bool = False) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.failures.append(PluginFailure(plugin, stage, f"{type(exc).__name__}: {exc}", tb))
+        # Also logged: a plugin that silently vanished would otherwise only show in `info`.
+        _log.warning("portable-kernels plugin %s failed in %s and is %s: %s: %s", plugin, stage,
+                     "kept" if keep else "skipped", type(exc).__name__, exc)
         if keep:
             return
         self._failed.add(plugin)

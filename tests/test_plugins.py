@@ -148,3 +148,17 @@ def test_a_kernel_declared_twice_identically_is_fine(fresh_host):
     assert not host.failures
     assert pk.list_kernels() == ["probe"]
 
+
+
+def test_builtin_plugins_load_cleanly(fresh_host):
+    # A built-in backend failing to register (a missing tuning function, a typo) would
+    # otherwise only show as a variant that is never selected.
+    host = fresh_host()
+    assert host.failures == []
+    assert {"cpu", "nvidia", "amd", "iluvatar", "portable_kernels.catalog"} <= set(host.plugin_names())
+
+
+def test_failures_are_logged(fresh_host, caplog):
+    with caplog.at_level("WARNING", logger="portable_kernels"):
+        fresh_host(FakeBackend(), RaisesOnRegister(), autoload=False, catalog=False)
+    assert "RaisesOnRegister failed in pk_register_variants" in caplog.text

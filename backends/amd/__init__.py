@@ -69,3 +69,22 @@ def pk_tuning_configs(kernel, variant, device):
     if device.vendor != VENDOR:
         return None
     return tuning.configs(kernel, variant.name, device)
+
+
+def _flash_attn_priority(device: DeviceInfo) -> int:
+    """First on 64-lane (CDNA) AMD GPUs; elsewhere below generic, so runnable (and
+    testable when forced with ``use_variant``) but never chosen."""
+    return 100 if device.vendor == VENDOR and device.has("wave64") else -10
+
+
+@hookimpl
+def pk_register_variants(registry):
+    # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
+    # The variant is flash_attn.py's generic kernel; what it brings is AMD tuning
+    # (tuning.py), which reaches launches only on AMD devices.
+    from portable_kernels.kernels import flash_attn
+
+    registry.add_variant(flash_attn.variant(
+        "amd.rocm", priority=_flash_attn_priority,
+        description="generic kernel with CDNA tuning: 128x64 tiles, num_stages 1-2, "
+        "waves_per_eu, matrix_instr_nonkdim, warps clamped to 1024 threads of 64 lanes"))

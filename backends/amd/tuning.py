@@ -15,27 +15,6 @@ from portable_kernels_backends import _common
 Configs = Callable[[DeviceInfo], "list[triton.Config]"]
 
 
-def _vector_add(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 2048}, num_warps=min(8, _common.max_warps(device)))]
-
-
-def _softmax(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"MAX_BLOCK_N": 8192}, num_warps=min(16, _common.max_warps(device)))]
-
-
-def _dropout(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=min(4, _common.max_warps(device)))]
-
-
-def _asin(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=min(4, _common.max_warps(device)))]
-
-
-def _layer_norm(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64},
-                          num_warps=min(8, _common.max_warps(device)))]
-
-
 def _gemm(device: DeviceInfo, bm: int, bn: int, bk: int, warps: int, group: int = 8,
           waves_per_eu: int = 0) -> triton.Config:
     kwargs = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": group}
@@ -85,14 +64,10 @@ def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
 
 
 _TABLE: dict[tuple[str, str | None], Configs] = {
+    **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
     ("matmul", None): _matmul,
     ("grouped_matmul", None): _grouped_matmul,
-    ("vector_add", None): _vector_add,
-    ("softmax", None): _softmax,
-    ("dropout", None): _dropout,
-    ("asin", None): _asin,
-    ("layer_norm", None): _layer_norm,
 }
 
 

@@ -64,3 +64,37 @@ def pk_tuning_configs(kernel, variant, device):
     if device.vendor != VENDOR:
         return None
     return tuning.configs(kernel, variant.name, device)
+
+
+def _flash_attn_priority(on_iluvatar: int):
+    """First on Iluvatar devices; elsewhere below generic, so runnable (and testable when
+    forced with ``use_variant``) but never chosen."""
+
+    def priority(device: DeviceInfo) -> int:
+        return on_iluvatar if device.vendor == VENDOR else -10
+
+    return priority
+
+
+@hookimpl
+def pk_register_variants(registry):
+    # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
+    # Both variants are switch settings of flash_attn.py's one kernel (the seed's V1 and
+    # V2); V2 ranks first because the seed measured it fastest on CoreX: changing the
+    # reduction direction removes the conversion of the MMA result between operand
+    # layouts (fewer instructions), and it keeps V1's deferred row sums.
+    from portable_kernels.kernels import flash_attn
+
+    registry.add_variant(flash_attn.variant(
+        "iluvatar.v2", switches={"TRANSPOSED": True, "DEFERRED": True},
+        priority=_flash_attn_priority(100), configs=tuning.flash_attn_configs,
+        description="seed V2, transposed view: S^T = K.Q^T, reductions along axis 0, "
+        "acc^T += V^T.P^T so P never changes operand layout; deferred row sums. First on "
+        "Iluvatar (100 > iluvatar.v1's 90): the seed measured V2 fastest, as it drops "
+        "V1's MMA-result layout conversion"))
+    registry.add_variant(flash_attn.variant(
+        "iluvatar.v1", switches={"DEFERRED": True, "HEAD_SPLIT": 2},
+        priority=_flash_attn_priority(90), configs=tuning.flash_attn_configs,
+        description="seed V1: head_dim split in two halves (narrower MMA strips) and "
+        "deferred reduction (elementwise row-sum partials, reduced once after the K/V "
+        "loop). Second on Iluvatar (90): iluvatar.v2 adds the transposed view on top"))

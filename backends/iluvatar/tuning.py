@@ -15,27 +15,6 @@ from portable_kernels_backends import _common
 Configs = Callable[[DeviceInfo], "list[triton.Config]"]
 
 
-def _vector_add(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 2048}, num_warps=min(8, _common.max_warps(device)))]
-
-
-def _softmax(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"MAX_BLOCK_N": 8192}, num_warps=min(16, _common.max_warps(device)))]
-
-
-def _dropout(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=min(4, _common.max_warps(device)))]
-
-
-def _asin(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=min(4, _common.max_warps(device)))]
-
-
-def _layer_norm(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64},
-                          num_warps=min(8, _common.max_warps(device)))]
-
-
 def _gemm(device: DeviceInfo, bk: int) -> triton.Config:
     # CoreX: 64x64 output tiles with 4 warps of 64 lanes (256 threads) and num_stages 1,
     # i.e. no software pipelining of the K loop.
@@ -61,14 +40,10 @@ def flash_attn_configs(device: DeviceInfo) -> list[triton.Config]:
 
 
 _TABLE: dict[tuple[str, str | None], Configs] = {
+    **_common.MEMORY_BOUND,
     ("flash_attn", None): flash_attn_configs,
     ("matmul", None): _matmul,
     ("grouped_matmul", None): _matmul,
-    ("vector_add", None): _vector_add,
-    ("softmax", None): _softmax,
-    ("dropout", None): _dropout,
-    ("asin", None): _asin,
-    ("layer_norm", None): _layer_norm,
 }
 
 

@@ -15,32 +15,6 @@ from portable_kernels_backends import _common
 Configs = Callable[[DeviceInfo], "list[triton.Config]"]
 
 
-def _vector_add(device: DeviceInfo) -> list[triton.Config]:
-    # Memory-bound: 16-byte accesses per thread need BLOCK_SIZE >= 4 * 32 * num_warps.
-    return [triton.Config({"BLOCK_SIZE": 2048}, num_warps=8)]
-
-
-def _softmax(device: DeviceInfo) -> list[triton.Config]:
-    # Rows up to 8192 fp32 values stay in registers (16 warps x 32 lanes x 16 values).
-    return [triton.Config({"MAX_BLOCK_N": 8192}, num_warps=16)]
-
-
-def _dropout(device: DeviceInfo) -> list[triton.Config]:
-    # Ten Philox rounds make this integer-heavy for an elementwise kernel: 8 elements per
-    # thread, not the 16 bytes per thread a pure copy wants.
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
-
-
-def _asin(device: DeviceInfo) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
-
-
-def _layer_norm(device: DeviceInfo) -> list[triton.Config]:
-    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. 64
-    # partial rows spread the dweight/dbias lock over the SMs.
-    return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=8)]
-
-
 def _gemm(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8, **extra) -> triton.Config:
     return triton.Config({"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk,
                           "GROUP_SIZE_M": group, **extra}, num_stages=stages, num_warps=warps)
@@ -137,16 +111,12 @@ def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
 
 
 _TABLE: dict[tuple[str, str | None], Configs] = {
+    **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
     ("matmul", None): _matmul,
     ("matmul", "nvidia.persistent_tma"): matmul_persistent_tma,
     ("grouped_matmul", None): _grouped_matmul,
     ("grouped_matmul", "nvidia.tma"): grouped_matmul_tma,
-    ("vector_add", None): _vector_add,
-    ("softmax", None): _softmax,
-    ("dropout", None): _dropout,
-    ("asin", None): _asin,
-    ("layer_norm", None): _layer_norm,
 }
 
 

@@ -110,15 +110,16 @@ def tma_layout(t: Any) -> str:
     """How a tensor descriptor (TMA) can describe the 2-D tensor ``t``: ``"row"`` (unit
     stride along dim 1), ``"col"`` (unit stride along dim 0: describe ``t.T``), or ``""``.
 
-    The copy engine needs a 16-byte aligned base and 16-byte aligned strides in every
-    dimension but the unit-stride one. Cheap enough for ``problem`` functions.
+    The copy engine needs a 16-byte aligned base and, in the other dimension, a 16-byte
+    aligned stride that steps past a whole row (no broadcast or overlapping rows). Cheap
+    enough for ``problem`` functions.
     """
     if t.dim() != 2 or t.data_ptr() % 16:
         return ""
-    s0, s1 = t.stride()
+    (n0, n1), (s0, s1) = t.shape, t.stride()
     size = t.element_size()
-    if s1 == 1 and (s0 * size) % 16 == 0:
+    if s1 == 1 and s0 >= n1 and (s0 * size) % 16 == 0:
         return "row"
-    if s0 == 1 and (s1 * size) % 16 == 0:
+    if s0 == 1 and s1 >= n0 and (s1 * size) % 16 == 0:
         return "col"
     return ""

@@ -1,0 +1,713 @@
+"""flash_attn: ``out = softmax(q·kᵀ·sm_scale [causal]) · v`` without an Nq × Nk matrix
+(FlashAttention-2), forward and backward.
+
+Layouts follow torch SDPA: ``q`` (B, H, Nq, D); ``k``, ``v`` (B, H_kv, Nk, D) with
+``H % H_kv == 0`` (grouped-query attention: query head ``h`` reads K/V head
+``h // (H // H_kv)``); ``out`` (B, H, Nq, D). Every tensor is addressed through its four
+strides, so (B, N, H, D) tensors viewed as (B, H, N, D) need no copy. ``D`` is any size up
+to 256: tiles are ``BLOCK_D = next_power_of_2(D)`` wide (at least 16, ``tl.dot``'s minimum)
+and the padded columns are masked to zero, which adds nothing to either dot.
+
+Forward. One program per ``BLOCK_M`` query rows of one (batch, head). It loads its query
+tile once and streams the K/V tiles of ``BLOCK_N`` keys:
+``s = q·kᵀ · sm_scale·log2(e)`` (the log2(e) folded into the scale lets ``exp2``, one
+hardware instruction, replace ``exp``), a running row max ``m``, a running row sum ``l`` and
+the output accumulator ``acc`` both rescaled by ``exp2(m_old - m_new)`` whenever the max
+grows, plus ``p = exp2(s - m)`` and ``acc += p·v``. After the loop ``out = acc / l`` and
+``LSE = (m + log2 l)·ln 2`` (the natural log-sum-exp of the scaled scores) is stored in fp32,
+(B, H, Nq), for the backward. The key loop runs in two stages through one helper: the key
+blocks every row of the tile sees in full (no mask at all), then the causal diagonal and
+the Nk tail (masked).
+
+``causal`` is SDPA's ``is_causal``, top-left aligned: query ``i`` sees keys ``j <= i``
+whatever Nq and Nk. Key 0 is visible to every row, so no row is empty; with ``Nk == 0``
+the output is zeros, as SDPA's math backend returns.
+
+Constexpr switches (each variant sets all four; see ``SWITCHES``):
+    UPCAST: convert loaded tiles to fp32 before the dots and keep P in fp32. The CPU
+        backend sets it: the interpreter keeps bf16 as raw bits. Off on GPUs: fp16/bf16
+        tensor-core dots with fp32 accumulation, P rounded to the input dtype for P·V.
+    DEFERRED (iluvatar.v1, iluvatar.v2): the seeds' deferred reduction. The row sums of P
+        are kept as an elementwise [BLOCK_M, BLOCK_N] accumulator (rescaled and added each
+        step) and reduced across the tile once after the loop, instead of a cross-thread
+        ``tl.sum`` every step. The running max still needs its per-step reduction: the
+        rescale factor depends on it.
+    HEAD_SPLIT (1 or 2; iluvatar.v1: 2): the seeds' head_dim split. The head dimension is
+        processed in chunks of ``BLOCK_D // HEAD_SPLIT`` columns: q·kᵀ as a sum of chunk
+        dots, one output accumulator (a narrower MMA strip) per chunk. Falls back to 1 when
+        a chunk would be narrower than 16.
+    TRANSPOSED (iluvatar.v2): the seeds' transposed view. The score tile is computed as
+        ``Sᵀ = K·Qᵀ`` [BLOCK_N, BLOCK_M] (Qᵀ loaded as a view through strides), its
+        reductions run along axis 0, and the accumulator is kept as ``accᵀ`` [D, BLOCK_M]
+        with ``accᵀ += Vᵀ·Pᵀ`` (Vᵀ a strided view), so the first dot's result feeds the
+        second without changing operand layout; ``out`` is stored through transposed
+        strides. The V0/V1/V2 loops are one loop: the orientation helpers below pick the
+        axis and the operand order.
+
+Backward, shared by every variant (the switches above shape only the forward; UPCAST
+applies to both): a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel
+runs one program per ``BLOCK_N`` keys of one K/V head and loops over the query heads of its
+group and their query blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are
+summed in fp32 registers, with no per-query-head buffers); the dq kernel runs one program
+per ``BLOCK_M`` queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the
+gradient of the scaled scores, hence the final ``· sm_scale`` on dq and dk.
+
+Config (from the backend's tuning table): ``BLOCK_M``, ``BLOCK_N`` (forward tile),
+optional ``BWD_BLOCK_M``, ``BWD_BLOCK_N``, ``BWD_NUM_WARPS``, ``BWD_NUM_STAGES`` (backward
+kernels; default: the forward's), optional
+``ROW_BYTES_MAX`` (the config applies when one padded K/V row, ``BLOCK_D`` × element size,
+fits in it; the launcher takes the first config that fits, else the last), ``num_warps``,
+``num_stages``, and any other keyword (e.g. ``waves_per_eu`` on ROCm) goes to every launch
+as a compiler option.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import KernelSpec, Variant
+from . import _host
+
+NAME = "flash_attn"
+
+#: The constexpr switches of the forward kernel and their portable defaults (the generic
+#: variant); a variant overrides some of them.
+SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": False}
+
+_MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+# Config keys the launcher reads itself; every other config kwarg is a compiler option.
+_HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
+                        "BWD_NUM_STAGES", "ROW_BYTES_MAX"})
+
+LOG2E = tl.constexpr(_LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# --- tile helpers ---------------------------------------------------------------------------
+
+@triton.jit
+def _load_tile(base, offs_r, offs_c, stride_r, stride_c, n_r, n_c,
+               CHECK_R: tl.constexpr, CHECK_C: tl.constexpr):
+    """The [R, C] tile ``base[r * stride_r + c * stride_c]``, 0 where a checked index is out
+    of range. Unchecked dimensions must be in range: an unmasked load past the end reads
+    garbage (and masks along the contiguous dimension cost vectorized loads)."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+    if CHECK_R:
+        if CHECK_C:
+            tile = tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c), other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=offs_r[:, None] < n_r, other=0.0)
+    elif CHECK_C:
+        tile = tl.load(ptrs, mask=offs_c[None, :] < n_c, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _load_seq_tile(base, offs_s, offs_d, stride_s, stride_d, n_s, D,
+                   CHECK_S: tl.constexpr, PAD_D: tl.constexpr, D_MAJOR: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """Rows ``offs_s`` × head-dim columns ``offs_d`` of a (N, D) matrix: a [S, Dc] tile, or
+    with ``D_MAJOR`` its transpose [Dc, S] read as a strided view (no copy, no tl.trans).
+    Positions past ``n_s`` (when ``CHECK_S``) or ``D`` (when ``PAD_D``) read as 0."""
+    if D_MAJOR:
+        t = _load_tile(base, offs_d, offs_s, stride_d, stride_s, D, n_s, PAD_D, CHECK_S)
+    else:
+        t = _load_tile(base, offs_s, offs_d, stride_s, stride_d, n_s, D, CHECK_S, PAD_D)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _store_seq_tile(base, tile, offs_s, offs_d, stride_s, stride_d, n_s, D,
+                    PAD_D: tl.constexpr, D_MAJOR: tl.constexpr):
+    """Store a [S, Dc] tile (or [Dc, S] with ``D_MAJOR``) in the output's dtype, rows past
+    ``n_s`` and padded head-dim columns dropped."""
+    if D_MAJOR:
+        ptrs = base + offs_d[:, None] * stride_d + offs_s[None, :] * stride_s
+        mask = offs_s[None, :] < n_s
+        if PAD_D:
+            mask = mask & (offs_d[:, None] < D)
+    else:
+        ptrs = base + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d
+        mask = offs_s[:, None] < n_s
+        if PAD_D:
+            mask = mask & (offs_d[None, :] < D)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+# --- orientation helpers: the normal tile is [queries, keys], the transposed one [keys, queries]
+
+@triton.jit
+def _per_query(x, TRANSPOSED: tl.constexpr):
+    """Broadcast a per-query vector [BLOCK_M] against a score tile or accumulator."""
+    if TRANSPOSED:
+        y = x[None, :]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _max_over_keys(s, TRANSPOSED: tl.constexpr):
+    if TRANSPOSED:
+        r = tl.max(s, axis=0)
+    else:
+        r = tl.max(s, axis=1)
+    return r
+
+
+@triton.jit
+def _sum_over_keys(s, TRANSPOSED: tl.constexpr):
+    if TRANSPOSED:
+        r = tl.sum(s, axis=0)
+    else:
+        r = tl.sum(s, axis=1)
+    return r
+
+
+@triton.jit
+def _visible(offs_m, offs_n, N_K, CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Which (query, key) pairs of a score tile count: keys below ``N_K`` and, when causal,
+    keys ``j <= i`` (SDPA's top-left alignment)."""
+    if TRANSPOSED:
+        qi = offs_m[None, :]
+        kj = offs_n[:, None]
+    else:
+        qi = offs_m[:, None]
+        kj = offs_n[None, :]
+    ok = kj < N_K
+    if CAUSAL:
+        ok = ok & (kj <= qi)
+    return ok
+
+
+@triton.jit
+def _mma(a, b, acc, SWAP: tl.constexpr):
+    """``acc + a·b``, or ``acc + b·a`` with ``SWAP``: each dot of the transposed view is the
+    normal view's dot with its operands exchanged (Sᵀ = K·Qᵀ, accᵀ += Vᵀ·Pᵀ)."""
+    if SWAP:
+        r = tl.dot(b, a, acc)
+    else:
+        r = tl.dot(a, b, acc)
+    return r
+
+
+# --- forward inner loop (V0, V1 and V2 alike) -------------------------------------------------
+
+@triton.jit
+def _attn_fwd_inner(
+    acc0, acc1, l_i, m_i,                         # running state (see the kernel)
+    q0, q1,                                       # query tile, one chunk per head-dim split
+    k_base, v_base,                               # this (batch, kv head)'s K and V
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d0, offs_d1,
+    lo, hi, N_K, D, qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,                         # blocks on the causal diagonal or the Nk tail
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr,
+    UPCAST: tl.constexpr, DEFERRED: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    # K is the right operand of q·kᵀ (so loaded as a Kᵀ view) in the normal orientation and
+    # the left operand of K·Qᵀ in the transposed one; V the other way round.
+    K_D_MAJOR: tl.constexpr = TRANSPOSED == False  # noqa: E712 (a constexpr, not a bool)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # -- scores (fp32), in the variant's orientation, one dot per head-dim chunk --
+        k0 = _load_seq_tile(k_base, offs_n, offs_d0, stride_kn, stride_kd, N_K, D,
+                            MASKED, PAD_D, K_D_MAJOR, UPCAST)
+        s = _mma(q0, k0, None, TRANSPOSED)
+        if HEAD_SPLIT == 2:
+            k1 = _load_seq_tile(k_base, offs_n, offs_d1, stride_kn, stride_kd, N_K, D,
+                                MASKED, PAD_D, K_D_MAJOR, UPCAST)
+            s = _mma(q1, k1, s, TRANSPOSED)
+        s = s * qk_scale
+        if MASKED:
+            # -inf: exp2 gives exactly 0, and the max never comes from a hidden key. Every
+            # row sees key 0, so m_new below is finite and exp2(-inf - m_new) is no NaN.
+            s = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, TRANSPOSED), s, float("-inf"))
+        # -- online softmax: rescale what was accumulated under the old max --
+        m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED))
+        alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        p = tl.math.exp2(s - _per_query(m_new, TRANSPOSED))
+        if DEFERRED:
+            # Elementwise partial sums: no cross-thread reduction inside the loop.
+            l_i = l_i * _per_query(alpha, TRANSPOSED) + p
+        else:
+            l_i = l_i * alpha + _sum_over_keys(p, TRANSPOSED)
+        # -- acc += P·V per chunk (accᵀ += Vᵀ·Pᵀ when transposed) --
+        v0 = _load_seq_tile(v_base, offs_n, offs_d0, stride_vn, stride_vd, N_K, D,
+                            MASKED, PAD_D, TRANSPOSED, UPCAST)
+        # Tensor cores take both operands in the input dtype (fp32 under UPCAST).
+        p = p.to(v0.dtype)
+        acc0 = _mma(p, v0, acc0 * _per_query(alpha, TRANSPOSED), TRANSPOSED)
+        if HEAD_SPLIT == 2:
+            v1 = _load_seq_tile(v_base, offs_n, offs_d1, stride_vn, stride_vd, N_K, D,
+                                MASKED, PAD_D, TRANSPOSED, UPCAST)
+            acc1 = _mma(p, v1, acc1 * _per_query(alpha, TRANSPOSED), TRANSPOSED)
+        m_i = m_new
+    return acc0, acc1, l_i, m_i
+
+
+# --- kernels --------------------------------------------------------------------------------
+
+@triton.jit
+def _flash_attn_fwd_kernel(
+    Q, K, V, Out, Lse,                                        # pointers; Lse: fp32 (B, H, Nq)
+    stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, GROUP, N_Q, N_K, D,                                    # sizes; GROUP = H // H_kv
+    qk_scale,                                                 # sm_scale * log2(e)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr,                # per call
+    UPCAST: tl.constexpr, DEFERRED: tl.constexpr,             # per variant (module docstring)
+    HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    # --- program id to tile ---
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP  # the K/V head this query head shares with its group
+    # int64 bases: batch and head strides times indices can pass 2**31 elements.
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    o_base = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    BLOCK_DC: tl.constexpr = BLOCK_D // HEAD_SPLIT
+    offs_d0 = tl.arange(0, BLOCK_DC)
+    offs_d1 = offs_d0 + BLOCK_DC  # the second chunk; unused without a split
+
+    # --- query tile: loaded once, held for the whole key loop ---
+    # Rows past Nq read as 0: their scores are finite and their outputs are never stored.
+    q0 = _load_seq_tile(q_base, offs_m, offs_d0, stride_qm, stride_qd, N_Q, D,
+                        True, PAD_D, TRANSPOSED, UPCAST)
+    q1 = q0
+    if HEAD_SPLIT == 2:
+        q1 = _load_seq_tile(q_base, offs_m, offs_d1, stride_qm, stride_qd, N_Q, D,
+                            True, PAD_D, TRANSPOSED, UPCAST)
+
+    # --- running state: max and row sum in the exp2 domain, fp32 accumulators ---
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if DEFERRED:
+        if TRANSPOSED:
+            l_i = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    if TRANSPOSED:
+        acc0 = tl.zeros([BLOCK_DC, BLOCK_M], tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_M, BLOCK_DC], tl.float32)
+    acc1 = acc0
+
+    # --- key loop: blocks every row sees in full (no mask), then diagonal and tail ---
+    if CAUSAL:
+        # Keys below start_m are visible to every row of the tile; none past its last row.
+        full_end = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
+    else:
+        full_end = N_K // BLOCK_N * BLOCK_N
+        hi = N_K
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(
+        acc0, acc1, l_i, m_i, q0, q1, k_base, v_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
+        0, full_end, N_K, D, qk_scale,
+        BLOCK_N, False, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED)
+    acc0, acc1, l_i, m_i = _attn_fwd_inner(
+        acc0, acc1, l_i, m_i, q0, q1, k_base, v_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
+        full_end, hi, N_K, D, qk_scale,
+        BLOCK_N, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED)
+
+    # --- write-back: normalize, store out (through transposed strides if so) and LSE ---
+    if DEFERRED:
+        l_i = _sum_over_keys(l_i, TRANSPOSED)  # the one cross-thread reduction of the sums
+    inv_l = _per_query(1.0 / l_i, TRANSPOSED)
+    _store_seq_tile(o_base, acc0 * inv_l, offs_m, offs_d0, stride_om, stride_od, N_Q, D,
+                    PAD_D, TRANSPOSED)
+    if HEAD_SPLIT == 2:
+        _store_seq_tile(o_base, acc1 * inv_l, offs_m, offs_d1, stride_om, stride_od, N_Q, D,
+                        PAD_D, TRANSPOSED)
+    lse = (m_i + tl.math.log2(l_i)) * LN2
+    tl.store(Lse + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _flash_attn_bwd_preprocess_kernel(
+    Out, DO, Delta,                                           # Delta: fp32 (B, H, Nq)
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, N_Q, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
+):
+    # --- program id to tile ---
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    # --- delta = rowsum(dO * O), in fp32 whatever the dtype (an elementwise product) ---
+    o = _load_seq_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
+                       offs_m, offs_d, stride_om, stride_od, N_Q, D, True, PAD_D, False, True)
+    do = _load_seq_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                        offs_m, offs_d, stride_dom, stride_dod, N_Q, D, True, PAD_D, False, True)
+    tl.store(Delta + bh.to(tl.int64) * N_Q + offs_m, tl.sum(o * do, axis=1), mask=offs_m < N_Q)
+
+
+@triton.jit
+def _flash_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,                          # pointers
+    stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, H_KV, GROUP, N_Q, N_K, D,                              # sizes
+    sm_scale, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # --- program id to tile: BLOCK_N keys of one (batch, kv head) ---
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_seq_tile(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh,
+                       offs_n, offs_d, stride_kn, stride_kd, N_K, D, True, PAD_D, False, UPCAST)
+    v = _load_seq_tile(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
+                       offs_n, offs_d, stride_vn, stride_vd, N_K, D, True, PAD_D, False, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Causal: query blocks wholly above the diagonal (every i < start_n) see none of these keys.
+    if CAUSAL:
+        lo = start_n // BLOCK_M * BLOCK_M
+    else:
+        lo = 0
+
+    # --- main loop: every query head of the GQA group, every query block ---
+    # Summing the group here, in fp32 registers, is the GQA reduction of dk and dv.
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        row = (b * H + h).to(tl.int64) * N_Q
+        for start_m in range(lo, N_Q, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            # The transposed orientation is natural here: Pᵀ [keys, queries] = exp(K·Qᵀ - LSE).
+            qT = _load_seq_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
+                                True, PAD_D, True, UPCAST)
+            do = _load_seq_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, N_Q, D,
+                                True, PAD_D, False, UPCAST)
+            # Rows past Nq get LSE = +inf so their probabilities are exactly 0.
+            lse = tl.load(Lse + row + offs_m, mask=offs_m < N_Q, other=float("inf"))
+            delta = tl.load(Delta + row + offs_m, mask=offs_m < N_Q, other=0.0)
+            sT = tl.dot(k, qT) * qk_scale
+            pT = tl.math.exp2(sT - _per_query(lse * LOG2E, True))
+            if CAUSAL:
+                pT = tl.where(_visible(offs_m, offs_n, N_K, True, True), pT, 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - _per_query(delta, True))
+            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+
+    # --- write-back (rows past Nk dropped) ---
+    _store_seq_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh,
+                    dk * sm_scale, offs_n, offs_d, stride_dkn, stride_dkd, N_K, D, PAD_D, False)
+    _store_seq_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh,
+                    dv, offs_n, offs_d, stride_dvn, stride_dvd, N_K, D, PAD_D, False)
+
+
+@triton.jit
+def _flash_attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,                              # pointers
+    stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, GROUP, N_Q, N_K, D,                                    # sizes
+    sm_scale, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # --- program id to tile: BLOCK_M queries of one (batch, head) ---
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    q = _load_seq_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                       offs_m, offs_d, stride_qm, stride_qd, N_Q, D, True, PAD_D, False, UPCAST)
+    do = _load_seq_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                        offs_m, offs_d, stride_dom, stride_dod, N_Q, D, True, PAD_D, False, UPCAST)
+    lse = tl.load(Lse + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=float("inf"))
+    delta = tl.load(Delta + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    lse2 = lse * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
+    else:
+        hi = N_K
+
+    # --- main loop over key blocks ---
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT = _load_seq_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
+                            True, PAD_D, True, UPCAST)
+        vT = _load_seq_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
+                            True, PAD_D, True, UPCAST)
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
+        # A select, not a multiply: exp2 of a hidden key's score may overflow to inf.
+        p = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, False), p, 0.0)
+        dp = tl.dot(do, vT)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+
+    # --- write-back ---
+    _store_seq_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
+                    dq * sm_scale, offs_m, offs_d, stride_dqm, stride_dqd, N_Q, D, PAD_D, False)
+
+
+# --- host launcher --------------------------------------------------------------------------
+
+class Problem(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    causal: bool
+    gqa: bool
+
+
+def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Problem:
+    """Check a ``flash_attn`` call and return its selection key.
+
+    All input validation happens here, before selection and launch: ``ValueError``
+    (``InputError``) for shapes, ``TypeError`` (``DTypeError``) for dtypes and types.
+    """
+    device = _host.same_device(NAME, q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _host.check_ndim(NAME, name, t, 4, "(B, H, N, D)")
+        _host.check_dtype(NAME, name, t)
+    dtype = _host.check_same_dtype(NAME, q=q, k=k, v=v)
+    (bq, h, _, d), (bk, h_kv, n_k, dk), (bv, h_v, n_v, dv) = q.shape, k.shape, v.shape
+    if not bq == bk == bv:
+        raise _host.InputError(
+            f"{NAME}: q, k and v must have the same batch size, got q {bq}, k {bk}, v {bv}")
+    if not d == dk == dv:
+        raise _host.InputError(
+            f"{NAME}: q, k and v must have the same head dim D, got q {d}, k {dk}, v {dv}")
+    if h_kv != h_v:
+        raise _host.InputError(
+            f"{NAME}: k and v must have the same number of heads, got k {h_kv}, v {h_v}")
+    if n_k != n_v:
+        raise _host.InputError(
+            f"{NAME}: k and v must have the same sequence length, got k {n_k}, v {n_v}")
+    if h_kv == 0 or h % h_kv:
+        raise _host.InputError(
+            f"{NAME}: the number of query heads ({h}) must be a multiple of the number of "
+            f"key/value heads ({h_kv})")
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise _host.InputError(f"{NAME}: head dim D={d} is not supported (1 to {_MAX_HEAD_DIM})")
+    if sm_scale is not None and not isinstance(sm_scale, (int, float)):
+        raise _host.DTypeError(
+            f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    return Problem(device, dtype, d, bool(causal), h != h_kv)
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _config(plan, block_d: int, itemsize: int) -> triton.Config:
+    """The first config whose ``ROW_BYTES_MAX`` fits one padded K/V row, else the last."""
+    row = block_d * itemsize
+
+    def pick() -> triton.Config:
+        _ = plan.config  # a clear error when the plan has no configs
+        for cfg in plan.configs:
+            if cfg.kwargs.get("ROW_BYTES_MAX", row) >= row:
+                return cfg
+        return plan.configs[-1]
+
+    return plan.cached((NAME, "config", row), pick)
+
+
+def _options(cfg: triton.Config, backward: bool = False) -> dict[str, Any]:
+    """Launch options of a config: warps, stages and backend compiler options."""
+    opts = {k: v for k, v in cfg.kwargs.items() if k not in _HOST_KEYS}
+    opts.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if backward:
+        opts.update(num_warps=cfg.kwargs.get("BWD_NUM_WARPS", cfg.num_warps),
+                    num_stages=cfg.kwargs.get("BWD_NUM_STAGES", cfg.num_stages))
+    return opts
+
+
+def _switches(plan, block_d: int) -> dict[str, Any]:
+    def build() -> dict[str, Any]:
+        switches = {k: plan.switches[k] for k in SWITCHES}
+        # tl.dot needs chunks of at least 16 columns.
+        if switches["HEAD_SPLIT"] != 1 and block_d // switches["HEAD_SPLIT"] < 16:
+            switches["HEAD_SPLIT"] = 1
+        return switches
+
+    return plan.cached((NAME, "switches", block_d), build)
+
+
+def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq))."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    out = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if n_k == 0:  # no keys: SDPA's math backend returns zeros
+        return out.zero_(), lse.fill_(float("-inf"))
+    block_d = _block_d(d)
+    cfg = _config(plan, block_d, q.element_size())
+    block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    grid = (triton.cdiv(n_q, block_m), b * h)
+    _flash_attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        h, h // h_kv, n_q, n_k, d,
+        scale * _LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
+        **_switches(plan, block_d), **_options(cfg),
+    )
+    return out, lse
+
+
+def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) in the inputs' dtype; dk and dv summed over each GQA group."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    dq = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((b, h_kv, n_k, d), dtype=k.dtype, device=k.device)
+    dv = torch.empty((b, h_kv, n_k, d), dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: nothing flows back
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    block_d = _block_d(d)
+    cfg = _config(plan, block_d, q.element_size())
+    block_m = cfg.kwargs.get("BWD_BLOCK_M", cfg.kwargs["BLOCK_M"])
+    block_n = cfg.kwargs.get("BWD_BLOCK_N", cfg.kwargs["BLOCK_N"])
+    opts = _options(cfg, backward=True)
+    upcast = plan.switches["UPCAST"]
+    pad_d = d != block_d
+    delta = torch.empty_like(lse)
+    _flash_attn_bwd_preprocess_kernel[(triton.cdiv(n_q, block_m), b * h)](
+        out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
+        BLOCK_M=block_m, BLOCK_D=block_d, PAD_D=pad_d, **opts,
+    )
+    _flash_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), b * h_kv)](
+        q, k, v, do, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=pad_d,
+        UPCAST=upcast, **opts,
+    )
+    _flash_attn_bwd_dq_kernel[(triton.cdiv(n_q, block_m), b * h)](
+        q, k, v, do, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=pad_d,
+        UPCAST=upcast, **opts,
+    )
+    return dq, dk, dv
+
+
+def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+    """Attention of ``q`` (B, H, Nq, D) over ``k``, ``v`` (B, H_kv, Nk, D), fp16/bf16/fp32.
+
+    Returns a new contiguous (B, H, Nq, D) tensor of q's dtype, differentiable with respect
+    to q, k and v. The inputs were checked by :func:`problem` (selection runs it first).
+    """
+    causal = bool(causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttnFunction.apply(plan, q, k, v, causal, scale)
+    return _forward(plan, q, k, v, causal, scale)[0]
+
+
+# --- autograd -------------------------------------------------------------------------------
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """Forward saves (q, k, v, out, lse); backward runs the three backward kernels."""
+
+    @staticmethod
+    def forward(ctx, plan, q, k, v, causal, scale):
+        out, lse = _forward(plan, q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.causal, ctx.scale = plan, causal, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        return None, dq, dk, dv, None, None
+
+
+# --- reference ------------------------------------------------------------------------------
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+    """torch SDPA in float64 (GQA through ``enable_gqa``)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=bool(causal), scale=sm_scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+
+
+# --- registration ---------------------------------------------------------------------------
+
+def default_configs(device) -> list:
+    return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+
+
+def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any) -> Variant:
+    """A ``flash_attn`` variant running this module's kernels: ``switches`` override
+    :data:`SWITCHES`; ``kwargs`` are :class:`Variant` fields (priority, configs, ...).
+    Backends register their variants through this, so they hold no kernel code."""
+    switches = dict(switches or {})
+    unknown = sorted(set(switches) - SWITCHES.keys())
+    if unknown:
+        raise ValueError(f"{NAME}: unknown switches {unknown}; known: {sorted(SWITCHES)}")
+    if switches.get("HEAD_SPLIT", 1) not in (1, 2):
+        raise ValueError(f"{NAME}: HEAD_SPLIT must be 1 or 2, got {switches['HEAD_SPLIT']}")
+    kwargs.setdefault("accepts", _host.dtype_supported)
+    kwargs.setdefault("configs", default_configs)
+    return Variant(NAME, name, launch, switches={**SWITCHES, **switches}, **kwargs)
+
+
+def register(registry) -> None:
+    registry.add_kernel(KernelSpec(
+        NAME, "(q, k, v, causal=False, sm_scale=None) -> out", problem,
+        "attention, (B, H, N, D) layout, GQA, causal, any N and D up to 256, differentiable",
+        reference))
+    registry.add_variant(variant(
+        "generic",
+        description="online softmax with exp2, pointer loads masked for sequence tails and "
+        "padded head dims; LSE stored for the backward"))

@@ -1,0 +1,274 @@
+"""flash_attn: every variant, forward and backward, against torch SDPA in float64.
+
+Shapes are small and odd (tails in Nq, Nk and D; GQA; causal with Nq < Nk and Nq > Nk;
+(B, N, H, D) views) so that the file stays within a few minutes on the CPU interpreter; the
+same tests run compiled on a GPU.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+
+import portable_kernels as pk
+from portable_kernels.kernels import flash_attn as fa
+from portable_kernels.launch import LaunchPlan
+from portable_kernels.testing import Tolerance, assert_close, tolerance
+
+NAME = "flash_attn"
+
+
+def _variants() -> list[str]:
+    return pk.list_variants(NAME)
+
+
+def _skip_unless_runnable(variant: str, device) -> None:
+    """A registered variant the device cannot run is a skip that says why."""
+    if variant not in pk.list_variants(NAME, device):
+        verdict = next(v for v in pk.explain(NAME, device=device).verdicts if v.name == variant)
+        pytest.skip(f"{variant}: {verdict.reason}")
+
+
+class Case:
+    """One attention problem: sizes, causal flag and the memory layout of the inputs."""
+
+    def __init__(self, b, h, h_kv, n_q, n_k, d, causal=False, layout="bhnd", sm_scale=None):
+        self.b, self.h, self.h_kv, self.n_q, self.n_k, self.d = b, h, h_kv, n_q, n_k, d
+        self.causal, self.layout, self.sm_scale = causal, layout, sm_scale
+
+    def __repr__(self) -> str:
+        return (f"B{self.b}-H{self.h}/{self.h_kv}-{self.n_q}x{self.n_k}-D{self.d}"
+                f"{'-causal' if self.causal else ''}{'-' + self.layout if self.layout != 'bhnd' else ''}")
+
+
+# Each case exercises something the others do not; every variant runs every case.
+CASES = [
+    Case(1, 2, 2, 113, 203, 80),                          # tails everywhere, D padded 80 -> 128
+    Case(2, 4, 2, 70, 150, 96, causal=True),              # GQA, causal with Nq < Nk
+    Case(1, 4, 1, 150, 70, 64, causal=True, layout="bnhd"),  # MQA, Nq > Nk, strided views
+    Case(1, 2, 1, 65, 40, 256, causal=True),              # the largest D, one key block
+    Case(1, 1, 1, 33, 77, 24, sm_scale=0.3),              # D split into 16-wide halves; scale
+]
+
+
+def _leaf(shape_bhnd, layout, dtype, device, gen):
+    """A leaf tensor and its (B, H, N, D) view: (B, N, H, D) storage for ``bnhd``."""
+    b, h, n, d = shape_bhnd
+    if layout == "bnhd":
+        leaf = torch.randn(b, n, h, d, generator=gen).to(dtype).to(device).requires_grad_()
+        return leaf, leaf.transpose(1, 2)
+    leaf = torch.randn(b, h, n, d, generator=gen).to(dtype).to(device).requires_grad_()
+    return leaf, leaf
+
+
+def _grad_tolerance(tol: Tolerance, ref: torch.Tensor) -> Tolerance:
+    # Gradients are sums over a sequence (dk, dv over queries; dq over keys), so their scale
+    # is not 1 like attention outputs: the table's absolute part is taken relative to it.
+    return Tolerance(tol.atol * max(1.0, float(ref.abs().max())), tol.rtol)
+
+
+def _check(case: Case, dtype: torch.dtype, device, gen) -> None:
+    leaves, views = zip(*(
+        _leaf((case.b, heads, n, case.d), case.layout, dtype, device, gen)
+        for heads, n in ((case.h, case.n_q), (case.h_kv, case.n_k), (case.h_kv, case.n_k))))
+    out = pk.get_kernel(NAME)(*views, causal=case.causal, sm_scale=case.sm_scale)
+    assert out.shape == (case.b, case.h, case.n_q, case.d) and out.dtype == dtype
+
+    # The reference sees the same (rounded) inputs, in float64, through the same views.
+    leaves64 = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    views64 = [x.transpose(1, 2) if case.layout == "bnhd" else x for x in leaves64]
+    ref = fa.reference(*views64, causal=case.causal, sm_scale=case.sm_scale)
+    tol = tolerance(dtype, "attention")
+    assert_close(out, ref, tol, f"{case} {dtype} out")
+    # A non-contiguous upstream gradient for strided cases: the backward reads it by strides.
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    if case.layout == "bnhd":
+        grad = torch.randn(case.b, case.n_q, case.h, case.d, generator=gen).to(dtype).transpose(1, 2)
+    out.backward(grad.to(device))
+    ref.backward(grad.double())
+    for name, x, x64 in zip("qkv", leaves, leaves64):
+        assert_close(x.grad, x64.grad, _grad_tolerance(tol, x64.grad), f"{case} {dtype} d{name}")
+
+
+# --- every variant: forward and backward ----------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("variant", _variants())
+def test_variant_matches_sdpa_fp32(variant, case, device, gen):
+    _skip_unless_runnable(variant, device)
+    with pk.use_variant(**{NAME: variant}):
+        _check(case, torch.float32, device, gen)
+
+
+LOW_PRECISION_CASES = [
+    Case(1, 4, 2, 100, 130, 96, causal=True),
+    Case(2, 2, 2, 113, 203, 80, layout="bnhd"),
+]
+
+
+@pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", _variants())
+def test_variant_matches_sdpa_low_precision(variant, dtype, case, device, gen):
+    _skip_unless_runnable(variant, device)
+    if dtype == torch.bfloat16 and not pk.device_info(device).has("bf16"):
+        pytest.skip(f"{pk.device_info(device).name} has no bf16")
+    with pk.use_variant(**{NAME: variant}):
+        _check(case, dtype, device, gen)
+
+
+@pytest.mark.parametrize(
+    "deferred, head_split, transposed", list(itertools.product([False, True], [1, 2], [False, True])))
+def test_every_switch_combination(deferred, head_split, transposed, device, gen):
+    """The switches are independent: combinations no variant uses are correct too."""
+    q = torch.randn(1, 2, 77, 48, generator=gen).to(device)
+    k = torch.randn(1, 1, 90, 48, generator=gen).to(device)
+    v = torch.randn(1, 1, 90, 48, generator=gen).to(device)
+    plan = _plan(q, k, v)
+    plan = LaunchPlan(plan.variant, plan.device, plan.configs, {
+        **plan.switches, "DEFERRED": deferred, "HEAD_SPLIT": head_split, "TRANSPOSED": transposed})
+    out = fa.launch(plan, q, k, v, causal=True)
+    assert_close(out, fa.reference(q.cpu(), k.cpu(), v.cpu(), causal=True),
+                 tolerance(torch.float32, "attention"))
+
+
+@pytest.mark.parametrize("blocks", [(32, 64, 64, 16), (64, 16, 16, 32)], ids=str)
+def test_tile_shapes_other_than_square(blocks, device, gen):
+    """Forward and backward tiles with BLOCK_M != BLOCK_N (the causal loop bounds and the
+    backward's own tiles), as GPU tuning tables use them."""
+    bm, bn, bwd_bm, bwd_bn = blocks
+    leaves = [torch.randn(1, h, n, 40, generator=gen).to(device).requires_grad_()
+              for h, n in ((4, 75), (2, 90), (2, 90))]
+    plan = _plan(*leaves)
+    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd_bm, "BWD_BLOCK_N": bwd_bn},
+                        num_warps=plan.config.num_warps)
+    plan = LaunchPlan(plan.variant, plan.device, [cfg], plan.switches)
+    out = fa.launch(plan, *leaves, causal=True)
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad.to(device))
+    leaves64 = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    ref = fa.reference(*leaves64, causal=True)
+    ref.backward(grad.double())
+    tol = tolerance(torch.float32, "attention")
+    assert_close(out, ref, tol, "out")
+    for name, x, x64 in zip("qkv", leaves, leaves64):
+        assert_close(x.grad, x64.grad, _grad_tolerance(tol, x64.grad), f"d{name}")
+
+
+def test_config_is_chosen_by_row_bytes(device):
+    x = _t(1, 1, 4, 16, device=device)
+    plan = _plan(x, x, x)
+    small, medium, large = (triton.Config({"BLOCK_M": m, "BLOCK_N": 16, "ROW_BYTES_MAX": r})
+                            for m, r in ((128, 128), (64, 256), (32, 512)))
+    plan = LaunchPlan(plan.variant, plan.device, [small, medium, large], plan.switches)
+    assert fa._config(plan, 64, 2) is small      # fp16 D<=64
+    assert fa._config(plan, 128, 2) is medium    # fp16 D<=128
+    assert fa._config(plan, 64, 4) is medium     # fp32 D<=64
+    assert fa._config(plan, 256, 2) is large
+    assert fa._config(plan, 256, 4) is large     # nothing fits: the last
+
+
+def _plan(*args, **kwargs) -> LaunchPlan:
+    return pk.get_kernel(NAME).plan(*args, **kwargs)
+
+
+# --- what the forward stores for the backward, and empty sequences ---------------------------
+
+def test_lse_is_the_log_sum_exp_of_the_scaled_scores(device, gen):
+    q = torch.randn(1, 2, 70, 40, generator=gen).to(device)
+    k = torch.randn(1, 2, 90, 40, generator=gen).to(device)
+    v = torch.randn(1, 2, 90, 40, generator=gen).to(device)
+    _, lse = fa._forward(_plan(q, k, v), q, k, v, True, 0.25)
+    scores = 0.25 * q.cpu().double() @ k.cpu().double().transpose(-1, -2)
+    hidden = torch.ones(70, 90, dtype=torch.bool).triu(1)  # SDPA's is_causal: keys j > i
+    expect = torch.logsumexp(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    assert_close(lse, expect, tolerance(torch.float32, "attention"))
+
+
+def test_no_keys_gives_zeros_like_sdpa(device):
+    q = torch.randn(1, 2, 5, 16, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 0, 16, device=device, requires_grad=True)
+    v = torch.randn(1, 2, 0, 16, device=device, requires_grad=True)
+    out = pk.get_kernel(NAME)(q, k, v)
+    assert torch.equal(out.cpu(), fa.reference(q.cpu(), k.cpu(), v.cpu()).float())
+    out.sum().backward()
+    assert torch.equal(q.grad.cpu(), torch.zeros(1, 2, 5, 16))
+
+
+def test_no_queries(device):
+    q = torch.randn(1, 2, 0, 16, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 7, 16, device=device, requires_grad=True)
+    v = torch.randn(1, 2, 7, 16, device=device, requires_grad=True)
+    out = pk.get_kernel(NAME)(q, k, v, causal=True)
+    assert out.shape == (1, 2, 0, 16)
+    out.sum().backward()
+    assert torch.equal(k.grad.cpu(), torch.zeros(1, 2, 7, 16))
+
+
+# --- bad inputs: errors naming the problem, before any launch --------------------------------
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+BAD = {
+    "head dims differ": ((_t(1, 2, 8, 16), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), ValueError, "head dim"),
+    "v head dim differs": ((_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 32)), ValueError, "head dim"),
+    "H not a multiple of H_kv": ((_t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), ValueError,
+                                 "multiple"),
+    "batch mismatch": ((_t(2, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), ValueError, "batch"),
+    "k/v lengths differ": ((_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 9, 16)), ValueError,
+                           "sequence length"),
+    "k/v heads differ": ((_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 1, 8, 16)), ValueError,
+                         "number of heads"),
+    "3-D q": ((_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16)), ValueError, "4-D"),
+    "3-D k and v": ((_t(1, 2, 8, 16), _t(2, 8, 16), _t(2, 8, 16)), ValueError, "4-D"),
+    "D > 256": ((_t(1, 1, 4, 320), _t(1, 1, 4, 320), _t(1, 1, 4, 320)), ValueError, "head dim"),
+    "integer dtype": ((_t(1, 1, 4, 16, dtype=torch.int32),) * 3, TypeError, "int32"),
+    "mixed dtypes": ((_t(1, 1, 4, 16, dtype=torch.float16), _t(1, 1, 4, 16), _t(1, 1, 4, 16)),
+                     TypeError, "dtypes must match"),
+    "different devices": ((_t(1, 1, 4, 16), _t(1, 1, 4, 16, device="meta"), _t(1, 1, 4, 16)),
+                          ValueError, "one device"),
+    "not a tensor": (([[0.0]], _t(1, 1, 4, 16), _t(1, 1, 4, 16)), TypeError, "torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_raise_before_launch(name):
+    args, error, match = BAD[name]
+    with pytest.raises(error, match=match):
+        pk.get_kernel(NAME)(*args)
+
+
+def test_sm_scale_must_be_a_number():
+    x = _t(1, 1, 4, 16)
+    with pytest.raises(TypeError, match="sm_scale"):
+        pk.get_kernel(NAME)(x, x, x, sm_scale="0.5")
+
+
+# --- selection -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile, expected", [
+    ("bi150", "iluvatar.v2"), ("bi100", "iluvatar.v2"), ("mi300x", "amd.rocm"), ("mi250x", "amd.rocm")])
+def test_emulated_devices_pick_their_backends_variant(profile, expected):
+    with pk.emulate(profile):
+        sel = pk.explain(NAME)
+    assert sel.variant == expected
+    assert expected in sel.reason or "priority (100)" in sel.reason
+    runnable = {v.name for v in sel.verdicts if v.runnable}
+    assert {"generic", "iluvatar.v1", "iluvatar.v2", "amd.rocm"} <= runnable
+    if expected == "iluvatar.v2":
+        # Why V2 over V1 is part of the explanation, not only the priorities.
+        assert "iluvatar.v1" in sel.reason and "seed" in sel.reason
+        v1 = next(v for v in sel.verdicts if v.name == "iluvatar.v1")
+        assert v1.priority == 90 and "passed over for iluvatar.v2" in v1.reason
+
+
+def test_backend_variants_do_not_win_elsewhere(device):
+    sel = pk.explain(NAME, device=device)
+    assert sel.variant not in ("iluvatar.v1", "iluvatar.v2", "amd.rocm")
+    with pk.emulate("h200"):
+        assert pk.explain(NAME).variant not in ("iluvatar.v1", "iluvatar.v2", "amd.rocm")
+
