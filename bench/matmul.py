@@ -67,7 +67,15 @@ def cublaslt_matmul():
         handle = nvidia.cublas.CublasLt(workspace)
     except Exception:  # an older/newer Triton without the binding
         return None
-    return handle.matmul
+
+    def matmul(a, b_t, out):
+        # The binding keeps only the workspace's address: the closure keeps the tensor
+        # alive. (Freed, its memory went to later inputs, and cuBLASLt's scratch writes
+        # corrupted them: the first run here reported every implementation WRONG.)
+        _ = workspace
+        return handle.matmul(a, b_t, out)
+
+    return matmul
 
 
 class Ours:
@@ -114,7 +122,7 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
         lt(a, b_t, c)  # c = a @ b_t.T
         return c
 
-    fns = {"cublas": lambda: torch.matmul(a, b)}
+    fns = {"cublas": lambda: torch.matmul(a, b)}  # checked too: the reference is fp32
     if lt is not None:
         fns["cublaslt"] = cublaslt
     try:

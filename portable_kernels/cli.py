@@ -90,8 +90,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(table(["plugin", "stage", "error"], [(f.plugin, f.stage, f.error) for f in host.failures]))
     if info is not None:
         print()
-        print(table(["kernel", "variant", "why", "runnable here"],
-                    [(r["kernel"], r["variant"] or "-", r["reason"], ", ".join(r["runnable"]))
+        # "why" last: it is the long column, and the table truncates only the last one.
+        print(table(["kernel", "variant", "runnable here", "why"],
+                    [(r["kernel"], r["variant"] or "-", ", ".join(r["runnable"]), r["reason"])
                      for r in out["kernels"]]))
     return 0 if info else 1
 
@@ -162,7 +163,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 
 #: Modules that add subcommands: each has ``add_subcommands(SUBCOMMANDS)``.
-EXTENSIONS: tuple[str, ...] = ("portable_kernels.tune",)
+EXTENSIONS: tuple[str, ...] = ("portable_kernels.tune", "portable_kernels.conformance.cli")
 
 
 def _load_extensions() -> None:
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:  # `portable-kernels info | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
     except KeyError as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
