@@ -1,0 +1,299 @@
+"""A Llama-style model end to end on a GPU: attention through our flash_attn against SDPA.
+
+A randomly initialised ``LlamaForCausalLM`` of realistic size (default: 8 layers, hidden
+2048, 16 query heads over 8 key/value heads, head dim 128, MLP 5632, vocabulary 32000;
+batch 2 x 2048 tokens; no download) runs with ``attn_implementation="portable_kernels"``
+(``portable_kernels.integrations.transformers``: the ``flash_attn`` kernel, GQA passed as is)
+and with ``"sdpa"`` (torch SDPA; by default whatever backend torch picks, optionally forced
+to its flash or cuDNN backend), in bf16 and fp16, with the same weights.
+
+Checks, per dtype, before timing:
+
+- logits: the error of each implementation against an fp32 SDPA run of the same model;
+  ours must stay within ``2 x`` SDPA's own error (plus the library's attention atol), so
+  the low-precision model is as good through our kernel as through SDPA's;
+- gradients (forward + backward of the LM loss) of the first and last layers' attention
+  projection weights: relative L2 error against the fp32 run, ours within ``2 x`` SDPA's
+  (plus 0.01);
+- no call fell back to SDPA (a fallback would time SDPA twice).
+
+Then times the forward (eval, no grad) and forward + backward (train mode, LM loss on the
+input ids) with CUDA events: the median of ``--iters`` runs after ``--warmup`` runs, as ms
+and tokens/second, plus the peak memory of the forward + backward. The first calls of our
+kernel autotune (the warmup absorbs them; results persist in ``PK_CACHE_DIR``).
+
+    python bench/transformers_model.py [--out PREFIX] [--dtypes bf16,fp16]
+        [--sdpa-backends default,flash,cudnn] [--batch 2] [--seq 2048] [--layers 8]
+        [--hidden 2048] [--heads 16] [--kv-heads 8] [--iters 10] [--warmup 3]
+
+Prints a table; writes ``PREFIX.json`` and ``PREFIX.md``. Exits 1 when a check fails, 2
+when there is no CUDA GPU or no transformers.
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from portable_kernels.testing import tolerance
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PK = "portable_kernels"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("transformers_model"),
+                   help="output prefix: PREFIX.json and PREFIX.md")
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--sdpa-backends", default="default,flash,cudnn",
+                   help="SDPA rows: default (torch's choice), flash, cudnn, efficient, math")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def sdpa_context(backend: str):
+    """A factory of contexts forcing SDPA's backend (``default``: torch chooses). A factory,
+    because ``sdpa_kernel`` contexts are single-use and every timed call enters one."""
+    if backend == "default":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return lambda: sdpa_kernel(names[backend])
+
+
+def cuda_ms(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn()`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def logits(model, impl: str, ids) -> torch.Tensor:
+    model.set_attn_implementation(impl)
+    model.eval()
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.float()
+
+
+def watched_grads(model, impl: str, ids, names) -> dict[str, torch.Tensor]:
+    model.set_attn_implementation(impl)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    params = dict(model.named_parameters())
+    grads = {n: params[n].grad.float().clone() for n in names}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def time_impl(model, impl: str, ids, ctx, args) -> dict:
+    tokens = ids.numel()
+    model.set_attn_implementation(impl)
+
+    def forward():
+        with torch.no_grad(), ctx():
+            model(ids, use_cache=False)
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        with ctx():
+            model(ids, labels=ids, use_cache=False).loss.backward()
+
+    model.eval()
+    fwd = cuda_ms(forward, args.warmup, args.iters)
+    model.train()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd = cuda_ms(forward_backward, args.warmup, args.iters)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return {"fwd_ms": fwd, "fwd_tok_s": tokens / (fwd * 1e-3),
+            "fwd_bwd_ms": fwd_bwd, "fwd_bwd_tok_s": tokens / (fwd_bwd * 1e-3),
+            "peak_gib": peak}
+
+
+def run_dtype(name: str, dtype: torch.dtype, args, config, pk_hf) -> tuple[list[dict], dict]:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    model32 = LlamaForCausalLM(config).to("cuda").eval()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+    last = config.num_hidden_layers - 1
+    watched = [f"model.layers.{layer}.self_attn.{proj}.weight"
+               for layer in (0, last) for proj in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    # The fp32 run is the truth both low-precision runs are measured against.
+    ref32 = logits(model32, "sdpa", ids)
+    g32 = watched_grads(model32, "sdpa", ids, watched)
+    model = model32.to(dtype)  # the same weights, rounded (in place)
+    del model32
+    torch.cuda.empty_cache()
+
+    check: dict = {"dtype": name, "ok": True, "problems": []}
+    pk_hf._warned.clear()
+    ours = logits(model, PK, ids)
+    sdpa = logits(model, "sdpa", ids)
+    atol = tolerance(dtype, "attention").atol
+    err_ours = float((ours - ref32).abs().max())
+    err_sdpa = float((sdpa - ref32).abs().max())
+    check.update(logits_max_abs_ref=float(ref32.abs().max()), err_ours_vs_fp32=err_ours,
+                 err_sdpa_vs_fp32=err_sdpa, err_ours_vs_sdpa=float((ours - sdpa).abs().max()))
+    if not err_ours <= 2 * err_sdpa + atol:
+        check["problems"].append(f"logits: our error vs fp32 {err_ours:.3g} > 2 x SDPA's "
+                                 f"{err_sdpa:.3g} + {atol:g}")
+    del ours, sdpa, ref32
+
+    g_ours = watched_grads(model, PK, ids, watched)
+    g_sdpa = watched_grads(model, "sdpa", ids, watched)
+
+    def rel(g):
+        return {n: float((g[n] - g32[n]).norm() / g32[n].norm().clamp_min(1e-30)) for n in watched}
+
+    check["grad_rel_l2_ours"], check["grad_rel_l2_sdpa"] = rel(g_ours), rel(g_sdpa)
+    for n in watched:
+        ours_err, sdpa_err = check["grad_rel_l2_ours"][n], check["grad_rel_l2_sdpa"][n]
+        if not ours_err <= 2 * sdpa_err + 1e-2:
+            check["problems"].append(f"{n} gradient: our relative L2 error vs fp32 "
+                                     f"{ours_err:.3g} > 2 x SDPA's {sdpa_err:.3g} + 0.01")
+    if pk_hf._warned:
+        check["problems"].append(f"calls fell back to SDPA: {sorted(pk_hf._warned)}")
+
+    q = torch.empty(args.batch, args.heads, args.seq, config.head_dim, device="cuda", dtype=dtype)
+    kv = torch.empty(args.batch, args.kv_heads, args.seq, config.head_dim, device="cuda",
+                     dtype=dtype)
+    check["variant"] = pk.explain("flash_attn", q, kv, kv, True).variant
+    check["ok"] = not check["problems"]
+
+    rows = []
+    impls = [(PK, "ours (" + check["variant"] + ")", contextlib.nullcontext)]
+    impls += [("sdpa", f"sdpa {b}", sdpa_context(b)) for b in args.sdpa_backends.split(",") if b]
+    for impl, label, ctx in impls:
+        row = {"dtype": name, "impl": label}
+        try:
+            row.update(time_impl(model, impl, ids, ctx, args))
+        except Exception as exc:  # e.g. an SDPA backend that cannot take this problem
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            torch.cuda.synchronize()
+        rows.append(row)
+        print(f"  {name} {label}: " + (row.get("error") or
+              f"fwd {row['fwd_ms']:.1f} ms, fwd+bwd {row['fwd_bwd_ms']:.1f} ms"), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows, check
+
+
+def markdown(rows: list[dict], checks: list[dict], meta: dict) -> str:
+    lines = [f"# Llama-style model, {meta['model']}", "",
+             f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
+             f"transformers {meta['transformers']}; batch {meta['batch']} x {meta['seq']} tokens",
+             "", "| dtype | attention | fwd ms | fwd tok/s | vs sdpa | fwd+bwd ms | "
+             "fwd+bwd tok/s | vs sdpa | peak GiB |", "|:--|:--|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['dtype']} | {r['impl']} | error: {r['error']} |||||||")
+            continue
+        base = next((b for b in rows if b["dtype"] == r["dtype"] and b["impl"] == "sdpa default"
+                     and "error" not in b), None)
+        fwd = f"{r['fwd_tok_s'] / base['fwd_tok_s']:.2f}" if base else ""
+        both = f"{r['fwd_bwd_tok_s'] / base['fwd_bwd_tok_s']:.2f}" if base else ""
+        lines.append(f"| {r['dtype']} | {r['impl']} | {r['fwd_ms']:.1f} | {r['fwd_tok_s']:,.0f} | "
+                     f"{fwd} | {r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_tok_s']:,.0f} | {both} | "
+                     f"{r['peak_gib']:.1f} |")
+    lines += ["", "Checks against an fp32 SDPA run of the same weights (logits: max abs error; "
+              "gradients: worst relative L2 error over the first and last layers' attention "
+              "weights):", ""]
+    for c in checks:
+        lines.append(
+            f"- {c['dtype']}: {'ok' if c['ok'] else 'FAILED'}; logits error ours "
+            f"{c['err_ours_vs_fp32']:.3g}, sdpa {c['err_sdpa_vs_fp32']:.3g} (|logits| up to "
+            f"{c['logits_max_abs_ref']:.3g}); gradient error ours "
+            f"{max(c['grad_rel_l2_ours'].values()):.3g}, sdpa "
+            f"{max(c['grad_rel_l2_sdpa'].values()):.3g}"
+            + "".join(f"\n  - {p}" for p in c["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/transformers_model.py times a model on a CUDA GPU; torch sees none here "
+              "(on a CPU, tests/test_transformers.py checks the same integration on a tiny "
+              "model under Triton's interpreter).", file=sys.stderr)
+        return 2
+    try:
+        import transformers
+        from transformers import LlamaConfig
+    except ImportError:
+        print("bench/transformers_model.py needs transformers: pip install "
+              "'portable-kernels[transformers]'", file=sys.stderr)
+        return 2
+    import triton
+
+    import portable_kernels.integrations.transformers as pk_hf
+
+    pk_hf.register()
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        print("--hidden must be a multiple of --heads, and --heads of --kv-heads", file=sys.stderr)
+        return 2
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 2048),
+        tie_word_embeddings=False)
+    model_desc = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads / "
+                  f"{args.kv_heads} kv heads (head dim {config.head_dim}), MLP "
+                  f"{args.intermediate}, vocab {args.vocab}")
+    meta = {"model": model_desc, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "batch": args.batch, "seq": args.seq, "iters": args.iters, "warmup": args.warmup}
+    print(f"{meta['device']}: {model_desc}; batch {args.batch} x {args.seq}", flush=True)
+
+    rows: list[dict] = []
+    checks: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.dtypes.split(","):
+        if name not in DTYPES:
+            print(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}", file=sys.stderr)
+            return 2
+        dtype_rows, check = run_dtype(name, DTYPES[name], args, config, pk_hf)
+        rows += dtype_rows
+        checks.append(check)
+        # After every dtype, so an interrupted run keeps what it measured.
+        args.out.with_suffix(".json").write_text(
+            json.dumps({**meta, "checks": checks, "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(rows, checks, meta))
+    print()
+    print(markdown(rows, checks, meta))
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""portable_kernels.ops: every kernel as a torch.library operator.
+
+opcheck (schema, fake tensors, autograd registration, AOT dispatch) for each public and
+internal op; outputs and gradients against torch in float64; torch.compile(fullgraph=True)
+with Inductor over a small block built from the ops, against eager; selection still runs
+inside the op. Shapes are small: the CPU runs every launch under Triton's interpreter.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import portable_kernels as pk
+from portable_kernels import ops
+from portable_kernels.testing import Tolerance, assert_close, tolerance
+
+from conftest import ON_CPU
+
+F32 = torch.float32
+
+
+def _randn(gen, device, *shape, scale=1.0, requires_grad=False):
+    t = (scale * torch.randn(shape, generator=gen)).to(device, F32)
+    return t.requires_grad_(requires_grad)
+
+
+def _dropout_reference(x, p, seed):
+    from portable_kernels.kernels.dropout import reference
+
+    return reference(x, p, seed)
+
+
+def _sdpa(q, k, v, causal=False, sm_scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# name -> (inputs(gen, device, requires_grad) -> args, float64 reference, tolerance kind).
+# Shapes have tails (33 columns, 9 and 11 tokens) and GQA (4 query heads over 2).
+CASES = {
+    "vector_add": (lambda g, d, rg: (_randn(g, d, 5, 33, requires_grad=rg),
+                                     _randn(g, d, 5, 33, requires_grad=rg)),
+                   lambda x, y: x + y, "elementwise"),
+    "softmax": (lambda g, d, rg: (_randn(g, d, 5, 33, requires_grad=rg), 0),
+                lambda x, dim: torch.softmax(x, dim), "reduction"),
+    "dropout": (lambda g, d, rg: (_randn(g, d, 5, 33, requires_grad=rg), 0.25, 1234),
+                _dropout_reference, "elementwise"),
+    "asin": (lambda g, d, rg: ((0.9 * torch.rand(5, 33, generator=g) * 2 - 0.9)
+                               .to(d).requires_grad_(rg),),
+             torch.asin, "elementwise"),
+    "layer_norm": (lambda g, d, rg: (_randn(g, d, 3, 5, 33, requires_grad=rg),
+                                     (1 + _randn(g, d, 33, scale=0.2)).requires_grad_(rg),
+                                     _randn(g, d, 33, requires_grad=rg), 1e-5),
+                   lambda x, w, b, eps: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps),
+                   "reduction"),
+    "matmul": (lambda g, d, rg: (_randn(g, d, 9, 33, requires_grad=rg),
+                                 _randn(g, d, 33, 17, requires_grad=rg)),
+               lambda a, b: a @ b, "dot"),
+    "grouped_matmul": (lambda g, d, rg: ([_randn(g, d, 9, 33, requires_grad=rg),
+                                          _randn(g, d, 3, 16, requires_grad=rg)],
+                                         [_randn(g, d, 33, 5, requires_grad=rg),
+                                          _randn(g, d, 16, 12, requires_grad=rg)]),
+                       lambda la, lb: [a @ b for a, b in zip(la, lb)], "dot"),
+    "flash_attn": (lambda g, d, rg: (_randn(g, d, 1, 4, 9, 16, requires_grad=rg),
+                                     _randn(g, d, 1, 2, 11, 16, requires_grad=rg),
+                                     _randn(g, d, 1, 2, 11, 16, requires_grad=rg), True, None),
+                   _sdpa, "attention"),
+}
+
+
+def _double(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().double().requires_grad_(value.requires_grad)
+    if isinstance(value, list):
+        return [_double(v) for v in value]
+    return value
+
+
+def _leaves(args):
+    out = []
+    for a in args:
+        out.extend(a if isinstance(a, list) else [a])
+    return [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def test_every_kernel_is_an_op():
+    assert set(ops.OPS) == set(CASES) == set(pk.list_kernels())
+    for name in ops.OPS:
+        assert callable(getattr(ops, name))
+        assert hasattr(torch.ops.portable_kernels, name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck(name, gen, device):
+    inputs, _, _ = CASES[name]
+    torch.library.opcheck(getattr(torch.ops.portable_kernels, name).default,
+                          inputs(gen, device, True))
+
+
+def test_opcheck_stage_ops(gen, device):
+    """The forward/backward halves behind layer_norm and flash_attn."""
+    ln = torch.ops.portable_kernels
+    x, w, b, eps = CASES["layer_norm"][0](gen, device, True)
+    torch.library.opcheck(ln.layer_norm_forward.default, (x, w, b, eps))
+    with torch.no_grad():
+        _, mean, rstd = ln.layer_norm_forward(x, w, b, eps)
+    dy = torch.randn_like(x)
+    torch.library.opcheck(ln.layer_norm_backward.default, (dy, x.detach(), w.detach(), mean, rstd))
+
+    q, k, v, causal, scale = CASES["flash_attn"][0](gen, device, True)
+    torch.library.opcheck(ln.flash_attn_forward.default, (q, k, v, causal, scale))
+    with torch.no_grad():
+        out, lse = ln.flash_attn_forward(q, k, v, causal, scale)
+    do = torch.randn_like(out)
+    torch.library.opcheck(ln.flash_attn_backward.default,
+                          (do, q.detach(), k.detach(), v.detach(), out, lse, causal, scale))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_gradients_match_torch(name, gen, device):
+    inputs, reference, kind = CASES[name]
+    args = inputs(gen, device, True)
+    ref_args = [_double(a) for a in args]
+    out = _flat(getattr(ops, name)(*args))
+    ref = _flat(reference(*ref_args))
+    tol = tolerance(F32, kind)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape and o.dtype == F32
+        assert_close(o, r, tol, f"{name} output")
+
+    grads_out = [torch.randn(o.shape, generator=gen).to(device) for o in out]
+    torch.autograd.backward(out, grads_out)
+    torch.autograd.backward(ref, [g.double() for g in grads_out])
+    # Gradients chain a second computation (sums over rows for layer_norm's weight and
+    # bias): a wider fp32 tolerance; the families' own tests pin their accuracy down.
+    grad_tol = Tolerance(max(tol.atol, 1e-4), max(tol.rtol, 1e-4))
+    for i, (leaf, ref_leaf) in enumerate(zip(_leaves(args), _leaves(ref_args))):
+        assert leaf.grad is not None, f"{name}: no gradient for input {i}"
+        assert_close(leaf.grad, ref_leaf.grad, grad_tol, f"{name} gradient of input {i}")
+
+
+def test_dropout_backward_reuses_the_mask(gen, device):
+    x = _randn(gen, device, 4, 100, requires_grad=True)
+    out = ops.dropout(x, 0.5, 99)
+    out.backward(torch.ones_like(out))
+    # d(out)/dx is 2 where kept and 0 where dropped: the same mask as the forward.
+    assert torch.equal(x.grad, (out != 0).to(F32) * 2)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="forces a variant the interpreter cannot run")
+def test_selection_runs_inside_the_op(gen, device):
+    """use_variant reaches the op: a forced variant the device cannot run is refused."""
+    x = _randn(gen, device, 8)
+    with pk.use_variant(asin="generic"), pytest.raises(pk.VariantUnavailableError, match="libdevice"):
+        ops.asin(x)
+
+
+def test_kernel_errors_pass_through(device):
+    x = torch.ones(8, dtype=torch.int32, device=device)
+    with pytest.raises(pk.DTypeError, match="vector_add"):
+        ops.vector_add(x, x)
+    with pytest.raises(pk.InputError, match="matmul"):
+        ops.matmul(torch.ones(2, 3, device=device), torch.ones(4, 5, device=device))
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm attention block made of nothing but our ops (and a tanh for asin)."""
+
+    def __init__(self, gen, dim=32, heads=2, kv_heads=1):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        width = dim + 2 * kv_heads * self.head_dim
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim, generator=gen))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(dim, generator=gen))
+        self.qkv = torch.nn.Parameter(torch.randn(dim, width, generator=gen) / dim ** 0.5)
+        self.proj = torch.nn.Parameter(torch.randn(dim, dim, generator=gen) / dim ** 0.5)
+
+    def forward(self, x):
+        b, n, dim = x.shape
+        h = ops.layer_norm(x, self.weight, self.bias)
+        qkv = ops.matmul(h.reshape(b * n, dim), self.qkv)
+        kv_width = self.kv_heads * self.head_dim
+        q, k, v = qkv.split([dim, kv_width, kv_width], dim=-1)
+        q = q.reshape(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        a = ops.flash_attn(q, k, v, causal=True).transpose(1, 2).reshape(b * n, dim)
+        o = ops.dropout(ops.matmul(a, self.proj).reshape(b, n, dim), 0.1, 1234)
+        return ops.softmax(ops.asin(torch.tanh(ops.vector_add(x, o))), dim=-1)
+
+
+# torch 2.13's own compile stack calls torch.jit.script_method, which it deprecates.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_torch_compile_fullgraph_matches_eager(gen, device):
+    torch._dynamo.reset()
+    block = _Block(gen).to(device)
+    x = _randn(gen, device, 2, 8, 32, requires_grad=True)
+    params = [*block.parameters(), x]
+
+    eager = block(x)
+    eager.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+
+    # fullgraph: any graph break (an untraceable launch) is an error, not a silent split.
+    compiled = torch.compile(block, fullgraph=True, backend="inductor")(x)
+    compiled.square().sum().backward()
+    tol = Tolerance(1e-5, 1e-5)
+    assert_close(compiled, eager, tol, "compiled output")
+    for i, (p, g) in enumerate(zip(params, eager_grads)):
+        assert_close(p.grad, g, tol, f"compiled gradient {i}")

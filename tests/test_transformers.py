@@ -1,0 +1,143 @@
+"""attn_implementation="portable_kernels" in a tiny, randomly initialised Llama (no download):
+the same logits and gradients as "sdpa", prefill and KV-cache decoding on the kernel, GQA
+passed as is, masks falling back to SDPA with a logged reason, and a fullgraph trace."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import portable_kernels.integrations.transformers as pk_hf  # noqa: E402
+from conftest import DEVICE  # noqa: E402
+from portable_kernels import ops  # noqa: E402
+from portable_kernels.testing import Tolerance, assert_close  # noqa: E402
+
+# fp32 end to end: on the interpreter attention differs from SDPA only by summation order;
+# GPUs run fp32 dots as tf32.
+TOL = Tolerance(1e-4, 1e-4) if DEVICE.type == "cpu" else Tolerance(2e-2, 2e-2)
+GRAD_TOL = Tolerance(1e-4, 1e-3) if DEVICE.type == "cpu" else Tolerance(2e-2, 2e-2)
+VOCAB, SEQ = 128, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    pk_hf.register()
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(DEVICE).eval()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """(q shape, k shape, causal) of every call that reached ops.flash_attn."""
+    calls = []
+    real = ops.flash_attn
+
+    def recording(q, k, v, causal=False, sm_scale=None):
+        calls.append((tuple(q.shape), tuple(k.shape), causal))
+        return real(q, k, v, causal, sm_scale)
+
+    monkeypatch.setattr(ops, "flash_attn", recording)
+    return calls
+
+
+def _logits(model, impl, *args, **kwargs):
+    model.set_attn_implementation(impl)
+    return model(*args, **kwargs).logits
+
+
+def _ids(gen, device, batch=2, seq=SEQ):
+    return torch.randint(0, VOCAB, (batch, seq), generator=gen).to(device)
+
+
+def test_prefill_matches_sdpa(model, gen, device, kernel_calls):
+    ids = _ids(gen, device)
+    with torch.no_grad():
+        ref = _logits(model, "sdpa", ids, use_cache=False)
+        out = _logits(model, pk_hf.NAME, ids, use_cache=False)
+    assert_close(out, ref, TOL, "logits")
+    # Both layers ran on the kernel, causal, with 2 K/V heads for 4 query heads (no repeat).
+    assert kernel_calls == [((2, 4, SEQ, 16), (2, 2, SEQ, 16), True)] * 2
+
+
+# past_key_values: the name both transformers 5.17 (the GPU machine) and 5.24 take.
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_decoding_with_kv_cache_matches_sdpa(model, gen, device, kernel_calls):
+    ids = _ids(gen, device)
+    logits = {}
+    with torch.no_grad():
+        for impl in ("sdpa", pk_hf.NAME):
+            cache = DynamicCache(config=model.config)
+            prefill = _logits(model, impl, ids[:, :-2], past_key_values=cache, use_cache=True)
+            step1 = _logits(model, impl, ids[:, -2:-1], past_key_values=cache, use_cache=True)
+            step2 = _logits(model, impl, ids[:, -1:], past_key_values=cache, use_cache=True)
+            logits[impl] = (prefill, step1, step2)
+    for out, ref in zip(logits[pk_hf.NAME], logits["sdpa"]):
+        assert_close(out, ref, TOL, "logits")
+    # Decoding: one query over every cached key (Nq != Nk), not causal.
+    assert ((2, 4, 1, 16), (2, 2, SEQ - 1, 16), False) in kernel_calls
+    assert ((2, 4, 1, 16), (2, 2, SEQ, 16), False) in kernel_calls
+
+
+def test_gradients_match_sdpa(model, gen, device):
+    ids = _ids(gen, device)
+    grads = {}
+    model.train()  # attention_dropout is 0.0, so training still runs on the kernel
+    try:
+        for impl in ("sdpa", pk_hf.NAME):
+            model.set_attn_implementation(impl)
+            model.zero_grad()
+            model(ids, labels=ids, use_cache=False).loss.backward()
+            grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    finally:
+        model.eval()
+        model.zero_grad()
+    for name, ref in grads["sdpa"].items():
+        assert_close(grads[pk_hf.NAME][name], ref, GRAD_TOL, name)
+
+
+def test_padding_mask_falls_back_to_sdpa_with_a_logged_reason(model, gen, device, caplog,
+                                                               kernel_calls):
+    ids = _ids(gen, device)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding in the first sequence
+    pk_hf._warned.clear()
+    with torch.no_grad():
+        ref = _logits(model, "sdpa", ids, attention_mask=mask, use_cache=False)
+        with caplog.at_level(logging.WARNING, logger=pk_hf.__name__):
+            out = _logits(model, pk_hf.NAME, ids, attention_mask=mask, use_cache=False)
+    assert_close(out, ref, TOL, "logits")
+    assert kernel_calls == []
+    warnings = [r for r in caplog.records if r.name == pk_hf.__name__]
+    assert len(warnings) == 1, "one warning per reason, not one per layer"
+    assert "falls back" in warnings[0].getMessage() and "mask" in warnings[0].getMessage()
+
+
+def test_fallback_reasons():
+    q = torch.empty(1, 4, 3, 16)
+    kv = torch.empty(1, 2, 5, 16)
+    assert pk_hf.fallback_reason(None, q, kv, kv, None) is None
+    assert "dropout" in pk_hf.fallback_reason(None, q, kv, kv, None, dropout=0.1)
+    assert "soft-capping" in pk_hf.fallback_reason(None, q, kv, kv, None, softcap=30.0)
+    assert "head dims" in pk_hf.fallback_reason(None, q, kv, torch.empty(1, 2, 5, 8), None)
+    assert "dtypes" in pk_hf.fallback_reason(None, q.double(), kv.double(), kv.double(), None)
+    assert "multiple" in pk_hf.fallback_reason(None, torch.empty(1, 3, 3, 16), kv, kv, None)
+
+
+def test_torch_compile_fullgraph_traces_the_model(model, gen, device):
+    torch._dynamo.reset()
+    ids = _ids(gen, device)
+    with torch.no_grad():
+        ref = _logits(model, pk_hf.NAME, ids, use_cache=False)
+        # aot_eager: the whole model in one graph with our op in it, without paying for
+        # Inductor's C++ compile (tests/test_ops.py covers Inductor over the ops).
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        out = compiled(ids, use_cache=False).logits
+    assert_close(out, ref, TOL, "compiled logits")
