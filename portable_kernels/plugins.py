@@ -34,6 +34,8 @@ _log = logging.getLogger("portable_kernels")
 
 #: True once some host has run ``pk_runtime_setup`` in this process (see kernels/__init__).
 RUNTIME_READY = False
+#: Hosts being built right now (a plugin importing kernel modules at load time runs inside).
+BUILDING = 0
 _CATALOG = "portable_kernels.catalog"
 
 
@@ -87,6 +89,14 @@ class PluginHost:
         autoload: bool | None = None,
         catalog: bool = True,
     ) -> None:
+        global BUILDING
+        BUILDING += 1
+        try:
+            self._build(plugins, autoload, catalog)
+        finally:
+            BUILDING -= 1
+
+    def _build(self, plugins: Iterable[Any], autoload: bool | None, catalog: bool) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.failures: list[PluginFailure] = []

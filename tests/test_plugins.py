@@ -1,6 +1,8 @@
 """Plugin loading and isolation: a plugin that raises never breaks the others."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
 
@@ -162,3 +164,19 @@ def test_failures_are_logged(fresh_host, caplog):
     with caplog.at_level("WARNING", logger="portable_kernels"):
         fresh_host(FakeBackend(), RaisesOnRegister(), autoload=False, catalog=False)
     assert "RaisesOnRegister failed in pk_register_variants" in caplog.text
+
+
+def test_plugin_importing_kernel_modules_at_load_time(tmp_path):
+    # Such a plugin is imported while the host is being built; it must not deadlock.
+    (tmp_path / "pk_eager_plugin.py").write_text(
+        "import portable_kernels.kernels.softmax as sm\n"
+        "from portable_kernels import hookimpl, Variant\n"
+        "@hookimpl\n"
+        "def pk_register_variants(registry):\n"
+        "    registry.add_variant(Variant('softmax', 'eager.copy', sm.launch, priority=-5))\n")
+    env = dict(os.environ, PK_PLUGINS="pk_eager_plugin",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", "import portable_kernels as pk; print(pk.list_variants('softmax'))"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "eager.copy" in proc.stdout

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from .. import plugins as _plugins
 
-# Triton decides compile-or-interpret when a function is decorated, so the backends'
-# pk_runtime_setup must have run before any module below defines a kernel.
-if not _plugins.RUNTIME_READY:
+# Plugins' pk_runtime_setup (vendor environment read when kernels are decorated) should run
+# before any module below defines a kernel. A plugin that imports kernel modules while it
+# is being loaded runs inside the host's construction: building another host there would
+# deadlock, so its kernels are simply decorated first.
+if not _plugins.RUNTIME_READY and not _plugins.BUILDING:
     _plugins.host()
