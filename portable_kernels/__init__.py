@@ -38,6 +38,7 @@ from .errors import (
 from .hookspecs import hookimpl, hookspec
 from .launch import LaunchPlan
 from .registry import KernelSpec, Registry, Variant
+from .testing import ExpectedFailure
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "DeviceInfo",
+    "ExpectedFailure",
     "InputError",
     "KernelHandle",
     "KernelSpec",

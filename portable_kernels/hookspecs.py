@@ -20,7 +20,7 @@ Hooks are called in this order: once per process ``pk_runtime_setup``, then
 ``pk_register_variants`` and ``pk_emulation_profiles``; then, on demand,
 ``pk_detect_device`` (once per device), and ``pk_tuning_configs`` and
 ``pk_variant_switches`` (once per kernel, variant and device, when a variant is first
-launched there).
+launched there). The conformance suite also calls ``pk_expected_failures`` (once per run).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from .device import DeviceInfo
     from .registry import Registry, Variant
+    from .testing import ExpectedFailure
 
 PROJECT = "portable_kernels"
 
@@ -137,4 +138,27 @@ def pk_variant_switches(kernel: str, variant: "Variant", device: "DeviceInfo") -
     :return: a dict of constexpr names to values, or ``None``.
 
     Implemented by: the CPU backend.
+    """
+
+
+@hookspec
+def pk_expected_failures(device: "DeviceInfo") -> "list[ExpectedFailure] | None":
+    """Declare conformance cases known to fail on ``device``: known failures as data.
+
+    Called by the conformance suite once per run (once per worker under pytest-xdist),
+    before any case runs; the answers of all plugins are concatenated. A case matching an
+    entry that fails is reported as an expected failure (``xfail``) and does not fail the
+    run; one that passes is reported as unexpectedly passing (``xpass``), so the entry can
+    be removed. Cases skipped because the device cannot run them stay skips.
+
+    :param device: the device under test, as selection sees it (an emulated profile while
+        emulating).
+    :return: a list of :class:`portable_kernels.testing.ExpectedFailure` (or
+        ``(pattern, reason)`` pairs), e.g.
+        ``[ExpectedFailure("flash_attn/acme.fast/bfloat16/*", "acme-sdk#123: bf16 rounding")]``.
+        ``pattern`` is an ``fnmatch`` glob over the case key
+        ``"<kernel>/<variant>/<dtype>/<shape>/<check>"``; ``reason`` is shown in reports.
+
+    Implemented by: backends with known, tracked defects on their devices; none of the
+    built-in backends today. Must not launch kernels.
     """

@@ -1,0 +1,93 @@
+"""The example third-party backend (examples/acme-backend) installs, loads through the
+``portable_kernels`` entry point, and passes conformance.
+
+It is installed with pip into a temporary directory (``--target``), never into the test
+environment: subprocesses see it through ``PYTHONPATH``, entry point included (its
+``.dist-info`` lies next to the package). pip builds it offline (``--no-index``, no build
+isolation, no dependencies), so this works on a CI machine whatever its network.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from portable_kernels.conformance import report
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "acme-backend"
+VARIANT = "acme.vector_add_wide"
+
+
+@pytest.fixture(scope="module")
+def acme_env(tmp_path_factory) -> dict:
+    """Environment variables under which the example is installed."""
+    if not EXAMPLE.is_dir():
+        pytest.fail(f"the example plugin is missing: {EXAMPLE}")
+    work = tmp_path_factory.mktemp("acme")
+    # Build from a copy, so that the checkout gets no build/ or .egg-info directories.
+    src = shutil.copytree(EXAMPLE, work / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(work / "site"), str(src)],
+        capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "No module named pip" in proc.stderr:
+        pytest.skip("pip is not available in this environment")
+    assert proc.returncode == 0, f"pip could not install the example:\n{proc.stdout}\n{proc.stderr}"
+    path = os.pathsep.join(filter(None, [str(work / "site"), os.environ.get("PYTHONPATH", "")]))
+    # PK_PLUGINS and PK_VARIANT from the caller's environment would change what this checks.
+    return {"PYTHONPATH": path, "PK_PLUGINS": "", "PK_VARIANT": "", "PK_EMULATE": ""}
+
+
+def run(env: dict, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "portable_kernels.cli", *argv], capture_output=True,
+                          text=True, env=dict(os.environ, **env), timeout=600)
+
+
+def test_info_lists_the_plugin(acme_env):
+    proc = run(acme_env, "info", "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    plugins = {p["name"]: p["source"] for p in info["plugins"]}
+    assert "acme" in plugins and "acme-pk-backend 0.1.0" in plugins["acme"]
+    assert not [f for f in info["failed_plugins"] if f["plugin"] == "acme"]
+    vector_add = next(k for k in info["kernels"] if k["kernel"] == "vector_add")
+    assert VARIANT in vector_add["runnable"] and vector_add["variant"] != VARIANT  # not preferred here
+    proc = run(acme_env, "info", "--device", "cpu")
+    assert proc.returncode == 0 and "acme" in proc.stdout
+
+
+def test_selected_on_its_own_hardware(acme_env):
+    proc = run(dict(acme_env, PK_EMULATE="acme1"), "explain", "vector_add", "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["variant"] == VARIANT
+
+
+def test_conformance_runs_its_variant_and_passes(acme_env, tmp_path):
+    proc = run(acme_env, "conformance", "--device", "cpu", "--kernels", "vector_add",
+               "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = report.load(tmp_path / "r.json")
+    mine = [c for c in rep["cases"] if c["variant"] == VARIANT]
+    assert mine and {c["outcome"] for c in mine} == {"pass"} and {c["plugin"] for c in mine} == {"acme"}
+    assert {s.id for s in _suite().shapes} == {c["shape"] for c in mine}  # the full suite, not --quick
+    assert any(line.split()[:2] == ["vector_add", VARIANT] and "pass" in line for line in proc.stdout.splitlines())
+
+
+def test_conformance_of_one_backend(acme_env, tmp_path):
+    proc = run(acme_env, "conformance", "--device", "cpu", "--backend", "acme", "--quick",
+               "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = report.load(tmp_path / "r.json")
+    assert {(c["kernel"], c["variant"]) for c in rep["cases"]} == {("vector_add", VARIANT)}
+    assert rep["options"]["backend"] == "acme"
+
+
+def _suite():
+    from portable_kernels.conformance import test_vector_add
+
+    return test_vector_add.SUITE
