@@ -59,7 +59,7 @@ class LaunchPlan:
         return self.configs[0]
 
     def autotuned(self, fn: Any, key: Sequence[str], config_pre_hook: Callable[[dict], None] | None = None,
-                  **autotune_kwargs: Any) -> Any:
+                  configs: Sequence[triton.Config] | None = None, **autotune_kwargs: Any) -> Any:
         """``fn`` (a ``@triton.jit`` kernel) wrapped in ``triton.autotune`` over this plan's
         configs, keyed on the argument names ``key``. Built once per plan and kernel.
         Results persist per device fingerprint across processes (see ``tuning_cache``).
@@ -68,7 +68,9 @@ class LaunchPlan:
         ``reset_to_zero``, ...). With a single config no benchmarking happens, which is
         what the interpreter needs. ``config_pre_hook(nargs)`` is set as every config's
         ``pre_hook``: it runs before each launch with the chosen config (e.g. to size host
-        tensor descriptors' block shapes to the config's blocks).
+        tensor descriptors' block shapes to the config's blocks). ``configs`` replaces the
+        plan's own list, for launchers that derive the kernel's configs from the plan's (e.g.
+        without the keys the launcher reads itself); like the rest, fixed at the first call.
         """
         tuned = self._tuned.get(fn)
         if tuned is None:
@@ -76,7 +78,7 @@ class LaunchPlan:
                 tuned = self._tuned.get(fn)
                 if tuned is None:
                     _ = self.config  # clear error when there are none
-                    configs = self.configs
+                    configs = self.configs if configs is None else list(configs)
                     if config_pre_hook is not None:
                         configs = [copy.copy(c) for c in configs]
                         for c in configs:

@@ -24,11 +24,16 @@ def _variants() -> list[str]:
     return pk.list_variants(NAME)
 
 
-def _skip_unless_runnable(variant: str, device) -> None:
-    """A registered variant the device cannot run is a skip that says why."""
+def _skip_unless_runnable(variant: str, device, *args, **kwargs) -> None:
+    """A registered variant the device cannot run, or (given the call's arguments) whose
+    predicate rejects the problem, is a skip that says why."""
     if variant not in pk.list_variants(NAME, device):
         verdict = next(v for v in pk.explain(NAME, device=device).verdicts if v.name == variant)
         pytest.skip(f"{variant}: {verdict.reason}")
+    if args:
+        verdict = next(v for v in pk.explain(NAME, *args, **kwargs).verdicts if v.name == variant)
+        if not verdict.runnable:
+            pytest.skip(f"{variant}: {verdict.reason}")
 
 
 class Case:
@@ -69,11 +74,18 @@ def _grad_tolerance(tol: Tolerance, ref: torch.Tensor) -> Tolerance:
     return Tolerance(tol.atol * max(1.0, float(ref.abs().max())), tol.rtol)
 
 
-def _check(case: Case, dtype: torch.dtype, device, gen) -> None:
+def _check(case: Case, dtype: torch.dtype, device, gen, variant: str | None = None) -> None:
+    """Forward and backward of ``case`` against SDPA in float64, forcing ``variant`` (a skip
+    when it cannot take the problem)."""
     leaves, views = zip(*(
         _leaf((case.b, heads, n, case.d), case.layout, dtype, device, gen)
         for heads, n in ((case.h, case.n_q), (case.h_kv, case.n_k), (case.h_kv, case.n_k))))
-    out = pk.get_kernel(NAME)(*views, causal=case.causal, sm_scale=case.sm_scale)
+    if variant is not None:
+        _skip_unless_runnable(variant, device, *views, causal=case.causal, sm_scale=case.sm_scale)
+        with pk.use_variant(**{NAME: variant}):
+            out = pk.get_kernel(NAME)(*views, causal=case.causal, sm_scale=case.sm_scale)
+    else:
+        out = pk.get_kernel(NAME)(*views, causal=case.causal, sm_scale=case.sm_scale)
     assert out.shape == (case.b, case.h, case.n_q, case.d) and out.dtype == dtype
 
     # The reference sees the same (rounded) inputs, in float64, through the same views.
@@ -98,8 +110,7 @@ def _check(case: Case, dtype: torch.dtype, device, gen) -> None:
 @pytest.mark.parametrize("variant", _variants())
 def test_variant_matches_sdpa_fp32(variant, case, device, gen):
     _skip_unless_runnable(variant, device)
-    with pk.use_variant(**{NAME: variant}):
-        _check(case, torch.float32, device, gen)
+    _check(case, torch.float32, device, gen, variant)
 
 
 LOW_PRECISION_CASES = [
@@ -115,8 +126,7 @@ def test_variant_matches_sdpa_low_precision(variant, dtype, case, device, gen):
     _skip_unless_runnable(variant, device)
     if dtype == torch.bfloat16 and not pk.device_info(device).has("bf16"):
         pytest.skip(f"{pk.device_info(device).name} has no bf16")
-    with pk.use_variant(**{NAME: variant}):
-        _check(case, dtype, device, gen)
+    _check(case, dtype, device, gen, variant)
 
 
 @pytest.mark.parametrize(

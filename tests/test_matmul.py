@@ -189,3 +189,100 @@ def test_selection(device):
         sel = pk.explain("matmul", half, half)
         assert sel.variant == "generic"
         assert "tensor_descriptor" in next(v for v in sel.verdicts if v.name == TMA).reason
+
+
+# --- split-K (a config of either load path, forced here) -----------------------------------
+
+def _plan_with(variant, a, b, **config_kwargs):
+    """The device's launch plan for ``variant``, reduced to one config with ``config_kwargs``
+    set (one config: no autotuning, no pruning): the device's own split-K config if it has
+    one, the one with the least shared memory (it fits fp32 operands too)."""
+    with pk.use_variant(matmul=variant):
+        base = dispatch._launch_plan(pk.explain("matmul", a, b))
+    split = [c for c in base.configs if c.kwargs.get("SPLIT_K", 1) > 1]
+    c = min(split or base.configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_SIZE_K"]
+            * (c.kwargs["BLOCK_SIZE_M"] + c.kwargs["BLOCK_SIZE_N"]))
+    config = triton.Config({**c.kwargs, **config_kwargs}, num_warps=c.num_warps, num_stages=c.num_stages)
+    return pk.LaunchPlan(base.variant, base.device, [config], base.switches)
+
+
+# On the interpreter (64-wide blocks): K = 200 is four K blocks, the last a tail of 8; three
+# slices of two blocks leave the last one empty, two slices put the tail in the second.
+# K = 40 is one partial block: every slice but the first is empty.
+SPLIT_CASES = [(2, 200), (3, 200), (3, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k,K", SPLIT_CASES, ids=lambda v: str(v))
+def test_split_k_generic(device, gen, nan_empty, dtype, split_k, K):
+    # 67 x 45: tails in M and N. Strided operands too, a column-major one of 130 rows.
+    M, N = 67, 45
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    plan = _plan_with("generic", a, b, SPLIT_K=split_k)
+    a_t = _rand(gen, K, 130, dtype=dtype, device=device).t()
+    b_step = _rand(gen, K, 2 * N, dtype=dtype, device=device)[:, ::2]
+    for x, y in ((a, b), (a_t, b), (a, b_step)):
+        _check(matmul_module.launch(plan, x, y), x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_k,K", SPLIT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("subtile", [False, True])
+def test_split_k_tma_variant(device, gen, nan_empty, dtype, split_k, K, subtile):
+    # Persistent: more work units (tiles x slices) than programs, so programs take slices
+    # of several tiles. 16-byte aligned rows in both layouts, tails in M and N.
+    M, N = 72 if device.type == "cpu" else 4000, 48
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    plan = _plan_with(TMA, a, b, SPLIT_K=split_k, EPILOGUE_SUBTILE=subtile)
+    a_t = _rand(gen, K, M, dtype=dtype, device=device).t()
+    b_t = _rand(gen, N, K, dtype=dtype, device=device).t()
+    for x, y in ((a, b), (a_t, b), (a, b_t)):
+        _check(matmul_module.launch(plan, x, y), x, y)
+
+
+def test_split_k_is_deterministic_and_leaves_counters_at_zero(device, gen, monkeypatch):
+    # The last slice sums the partials in slice order, so reruns agree bit for bit, and it
+    # resets its tile's counter, so relaunching one launch's arguments (as the autotuner
+    # does) starts from zero again.
+    a = _rand(gen, 130, 200, dtype=torch.float16, device=device)
+    b = _rand(gen, 200, 72, dtype=torch.float16, device=device)
+    zeros, counters = torch.zeros, []
+
+    def spy(*args, **kwargs):
+        t = zeros(*args, **kwargs)
+        if t.dtype == torch.int32:
+            counters.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "zeros", spy)
+    for variant in ("generic", TMA):
+        plan = _plan_with(variant, a, b, SPLIT_K=3)
+        first = matmul_module.launch(plan, a, b)
+        assert torch.equal(matmul_module.launch(plan, a, b), first), variant
+        _check(first, a, b)
+    assert len(counters) == 4 and not any(c.any() for c in counters)
+
+
+def test_split_k_pruning():
+    # What the autotuner may pick on an H100/H200 (132 SMs): split configs only where the
+    # output's tiles are too few, and the workspace the launcher allocates for them.
+    from portable_kernels_backends import nvidia
+
+    h100 = nvidia.pk_emulation_profiles()["h100"]
+    for configs in (nvidia.tuning.matmul_persistent_tma(h100), nvidia.tuning.configs("matmul", "generic", h100)):
+        def splits(m, n, k):
+            return sorted({c.kwargs.get("SPLIT_K", 1) for c in matmul_module.candidates(configs, m, n, k, 132)})
+
+        # N = 4096 with M = 16 or 128: 32 tiles of 128 columns, cut into 4 slices.
+        assert splits(16, 4096, 14336)[-1] == 4 and splits(128, 4096, 4096)[-1] == 4
+        # Enough tiles already (14336 columns, big squares), or K too short to cut in four.
+        for shape in ((4096, 4096, 4096), (2048, 2048, 2048), (16, 14336, 4096), (128, 14336, 14336)):
+            assert splits(*shape) == [1], shape
+        assert 4 not in splits(16, 4096, 512)
+        slices, tiles = matmul_module._split_workspace(configs, 16, 4096, 14336, 132)
+        assert slices == 4 and tiles == 32
+        assert matmul_module._split_workspace(configs, 4096, 4096, 4096, 132) == (0, 0)
+    # A single config is used as it is, split or not (Triton prunes only lists).
+    one = [triton.Config({"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 4, "SPLIT_K": 2})]
+    assert matmul_module.candidates(one, 4096, 4096, 4096, 132) == one
+    assert matmul_module._split_workspace(one, 100, 70, 64, 2) == (2, 4)

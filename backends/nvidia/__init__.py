@@ -84,7 +84,7 @@ def pk_register_variants(registry):
     # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
     # Each variant is a switch setting of its family's one kernel; the bodies stay in
     # portable_kernels/kernels/.
-    from portable_kernels.kernels import grouped_matmul, matmul
+    from portable_kernels.kernels import flash_attn, grouped_matmul, matmul
 
     registry.add_variant(Variant(
         "matmul", "nvidia.persistent_tma", matmul.launch,
@@ -93,7 +93,8 @@ def pk_register_variants(registry):
         switches={"TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True, "UPCAST": False},
         configs=tuning.matmul_persistent_tma,
         description="persistent grid of min(SMs, tiles) in grouped order; TMA loads and "
-        "stores through host tensor descriptors; warp-specialized K loop; epilogue subtiling"))
+        "stores through device-side tensor descriptors; warp-specialized K loop; epilogue "
+        "subtiling; split-K where the output has too few tiles"))
     registry.add_variant(Variant(
         "grouped_matmul", "nvidia.tma", grouped_matmul.launch,
         requires={"tensor_descriptor"}, priority=_hopper_priority,
@@ -101,3 +102,11 @@ def pk_register_variants(registry):
         configs=tuning.grouped_matmul_tma,
         description="persistent grid over every group's tiles; device-side tensor "
         "descriptors per group (tl.make_tensor_descriptor, scratch from an allocator)"))
+    registry.add_variant(flash_attn.variant(
+        "nvidia.hopper", requires={"tensor_descriptor", "warp_specialize"},
+        priority=_hopper_priority, accepts=flash_attn.tma_accepts,
+        switches={"TMA": True, "WARP_SPECIALIZE": True}, configs=tuning.flash_attn_hopper,
+        description="Q/K/V/O tiles through device-side tensor descriptors (TMA), "
+        "warp-specialized pipelined K/V loop, causal split into unmasked and diagonal "
+        "blocks, autotuned tiles; fp16/bf16, D 64 or 128, 16-byte aligned strides (else "
+        "generic, with the reason in explain); backward: the generic kernels"))

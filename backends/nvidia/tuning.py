@@ -35,6 +35,10 @@ def _matmul(device: DeviceInfo) -> list[triton.Config]:
         _gemm(128, 32, 32, 4, 4),
         _gemm(64, 32, 32, 5, 2),
         _gemm(32, 64, 32, 5, 2),
+        # Split-K, for outputs with too few tiles (the launcher's pruning decides where).
+        # 8 warps: with 4, the split epilogue spills registers (fp32 operands) or nearly.
+        _gemm(64, 128, 64, 4, 8, SPLIT_K=4),
+        _gemm(128, 128, 32, 4, 8, SPLIT_K=4),
     ]
 
 
@@ -56,6 +60,13 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 256, 64, 4, 8, EPILOGUE_SUBTILE=True),
         _gemm(64, 128, 128, 4, 4, EPILOGUE_SUBTILE=False),
         _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+        # Split-K: for outputs with too few tiles to occupy the SMs (M of 16 or 128 with
+        # N = 4096; 1024-squares), which the launcher's pruning offers them only to. 8 warps:
+        # the split epilogue's barrier and atomics stay out of warp-specialized code.
+        _gemm(64, 128, 128, 3, 8, SPLIT_K=4),   # M <= 64:  N/128 tiles x 4
+        _gemm(64, 128, 64, 4, 8, SPLIT_K=2),    # M <= 128: 2 x N/128 tiles x 2
+        _gemm(128, 128, 64, 4, 8, SPLIT_K=4),   # M <= 128: N/128 tiles x 4
+        _gemm(128, 128, 64, 4, 8, SPLIT_K=2),   # 1024-squares: 64 tiles x 2
     ]
 
 
@@ -110,9 +121,37 @@ def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
     ]
 
 
+def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
+    # nvidia.hopper, fp16/bf16 at D=64 (128-byte rows) and D=128 (256-byte rows). The
+    # forward autotunes among the configs of the tightest ROW_BYTES_MAX that fits; the
+    # backward (the generic kernels) takes the first config that fits, so each class's
+    # first entry carries _flash_attn's backward settings for that row.
+    # Checked by compiling for sm_90 (triton 3.6, ptxas -v): no spills; shared memory
+    # 82-197 KB. ws=True: one masked loop that triton splits into a TMA producer warpgroup
+    # and two consumer warpgroups of 64 rows (num_warps=4 means 12 warps in all, 232
+    # registers per consumer thread); it needs num_warps=4 (with 8 triton silently does
+    # not specialize). ws=False: unmasked and diagonal loops, software-pipelined, 8 warps.
+    def cfg(bn, warps, stages, ws, bwd, row_bytes):
+        c = _attn(128, bn, warps, stages, *bwd, row_bytes=row_bytes)
+        return triton.Config({**c.kwargs, "WARP_SPECIALIZE": ws}, num_warps=warps, num_stages=stages)
+
+    d64, d128 = (64, 128, 8, 2), (32, 128, 8, 2)  # backward: as _flash_attn's first two
+    return [
+        cfg(128, 4, 2, True, d64, 128),    # D=64: 99 KB
+        cfg(64, 4, 3, True, d64, 128),     #        82 KB
+        cfg(128, 8, 2, False, d64, 128),   #        83 KB, 166 registers
+        cfg(64, 4, 3, False, d64, 128),    #        67 KB, 195 registers
+        cfg(64, 4, 3, True, d128, 256),    # D=128: 164 KB
+        cfg(128, 4, 2, True, d128, 256),   #        197 KB
+        cfg(64, 8, 3, False, d128, 256),   #        132 KB, 150 registers
+        cfg(128, 8, 2, False, d128, 256),  #        165 KB, 203 registers
+    ]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
     **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
+    ("flash_attn", "nvidia.hopper"): flash_attn_hopper,
     ("matmul", None): _matmul,
     ("matmul", "nvidia.persistent_tma"): matmul_persistent_tma,
     ("grouped_matmul", None): _grouped_matmul,

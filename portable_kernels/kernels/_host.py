@@ -4,7 +4,8 @@ Every check runs before any allocation or launch, so bad input never reaches Tri
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -123,3 +124,20 @@ def tma_layout(t: Any) -> str:
     if s0 == 1 and s1 >= n0 and (s1 * size) % 16 == 0:
         return "col"
     return ""
+
+
+@contextlib.contextmanager
+def scratch_allocator(device: torch.device) -> Iterator[None]:
+    """Device-side tensor descriptors (``tl.make_tensor_descriptor``) need global scratch
+    memory at launch: lend Triton a torch allocator for the launch only, leaving the
+    caller's own ``triton.set_allocator`` setting alone."""
+    from triton.runtime import _allocation
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    token = _allocation._allocator.set(alloc)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)

@@ -9,8 +9,15 @@ in three steps that both families share and that each come in two load paths:
   group is computed, instead of streaming all of B again for every row of tiles.
 - The main loop accumulates over K in fp32: :func:`ptr_mainloop` through masked pointer
   loads (any strides), :func:`desc_mainloop` through tensor descriptors (TMA on Hopper).
+  Both take a range ``[k_lo, k_hi)`` of ``BLOCK_SIZE_K`` blocks, so that split-K programs
+  each reduce one slice of K; ``0, cdiv(K, BLOCK_SIZE_K)`` is the whole reduction.
 - The epilogue rounds the fp32 tile to the output dtype once: :func:`ptr_store` with a
   mask, :func:`desc_store` through a descriptor, optionally in two halves.
+- :func:`gemm_descriptors` builds the three descriptors of the descriptor path on the
+  device (``tl.make_tensor_descriptor``), from the same pointers and strides the pointer
+  path takes: host ``TensorDescriptor`` objects would cost tens of microseconds of Python
+  per launch, which is the whole kernel time of a small GEMM. The launcher lends Triton
+  an allocator for their global scratch (``_host.scratch_allocator``).
 
 Constexpr switches taken by the helpers:
     UPCAST: convert loaded tiles to fp32 before ``tl.dot``. Triton's interpreter keeps bf16
@@ -51,11 +58,13 @@ def ptr_mainloop(
     M, N, K,                                        # sizes
     stride_am, stride_ak, stride_bk, stride_bn,     # strides (elements)
     off_m, off_n,                                   # the tile's first row and column
+    k_lo, k_hi,                                     # the K blocks to reduce: [k_lo, k_hi)
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The fp32 ``BLOCK_SIZE_M x BLOCK_SIZE_N`` tile of ``A @ B`` at ``(off_m, off_n)``,
-    through masked pointer loads (any strides, any sizes)."""
+    """The fp32 ``BLOCK_SIZE_M x BLOCK_SIZE_N`` tile of ``A[:, K slice] @ B[K slice, :]`` at
+    ``(off_m, off_n)``, the slice being K blocks ``[k_lo, k_hi)`` (``k_hi`` at most
+    ``cdiv(K, BLOCK_SIZE_K)``), through masked pointer loads (any strides, any sizes)."""
     # --- offsets ---
     # The offsets are not wrapped (no `% M`): each tile starts at a multiple of its block
     # and runs contiguously, so the hints below are true even for tail tiles, and the
@@ -67,16 +76,21 @@ def ptr_mainloop(
     # because row * stride passes 2**31 elements in large operands.
     a_ptrs = a_ptr + (offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak)
     b_ptrs = b_ptr + (offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn)
+    # The slice's first K (int64: k * stride passes 2**31 in large column-major operands).
+    k_start = tl.cast(k_lo, tl.int64) * BLOCK_SIZE_K
+    a_ptrs += k_start * stride_ak
+    b_ptrs += k_start * stride_bk
     in_m = offs_m[:, None] < M
     in_n = offs_n[None, :] < N
 
-    # --- main loop: fp32 accumulation over the whole K blocks ---
+    # --- main loop: fp32 accumulation over the whole K blocks of the slice ---
     # No K mask here: a mask that varies along a unit-stride K (row-major A) would split
     # its loads into single elements unless the compiler can prove K % 16 == 0, and
     # element-sized (2-byte) copies cannot be pipelined through shared memory. The M and
     # N masks are constant along K, so they cost nothing.
+    k_whole = K // BLOCK_SIZE_K   # index of the partial last block, if there is one
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, K // BLOCK_SIZE_K):
+    for k in range(k_lo, tl.minimum(k_hi, k_whole)):
         a = tl.load(a_ptrs, mask=in_m, other=0.0)
         b = tl.load(b_ptrs, mask=in_n, other=0.0)
         if UPCAST:
@@ -85,9 +99,10 @@ def ptr_mainloop(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
-    # --- the K tail, once: masked loads read zeros past K, which add nothing ---
+    # --- the K tail, once, by the slice that holds it: masked loads read zeros past K,
+    # which add nothing ---
     k_left = K % BLOCK_SIZE_K
-    if k_left != 0:
+    if (k_left != 0) & (k_lo <= k_whole) & (k_whole < k_hi):
         a = tl.load(a_ptrs, mask=in_m & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & in_n, other=0.0)
         if UPCAST:
@@ -114,15 +129,50 @@ def ptr_store(
 
 
 @triton.jit
+def gemm_descriptors(
+    a_ptr, b_ptr, c_ptr,                            # operand and output base pointers
+    M, N, K,                                        # sizes
+    stride_am, stride_ak, stride_bk, stride_bn,     # operand strides (elements)
+    stride_cm,                                      # output row stride (unit column stride)
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, SUBTILE: tl.constexpr,
+):
+    """Tensor descriptors of A, B and C with the block shapes :func:`desc_mainloop` and
+    :func:`desc_store` expect. Each needs a unit stride in its last dimension, a 16-byte
+    aligned base and a 16-byte multiple other stride (the launcher checked): a
+    column-major operand (``A_T``/``B_T``) is described through its transpose."""
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_ak, 1],
+                                           block_shape=[BLOCK_SIZE_K, BLOCK_SIZE_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                           block_shape=[BLOCK_SIZE_N, BLOCK_SIZE_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                           block_shape=[BLOCK_SIZE_K, BLOCK_SIZE_N])
+    if SUBTILE:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N // 2])
+    else:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N])
+    return a_desc, b_desc, c_desc
+
+
+@triton.jit
 def desc_mainloop(
     a_desc, b_desc,                                 # tensor descriptors of A and B
-    K,                                              # size of the reduction
     off_m, off_n,                                   # the tile's first row and column
+    k_lo, k_hi,                                     # the K blocks to reduce: [k_lo, k_hi)
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr,
     UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """The fp32 tile of ``A @ B`` at ``(off_m, off_n)`` through tensor descriptors.
+    """The fp32 tile of ``A[:, K slice] @ B[K slice, :]`` at ``(off_m, off_n)`` through
+    tensor descriptors, the slice being K blocks ``[k_lo, k_hi)``.
 
     The descriptors' block shapes are ``[BLOCK_SIZE_M, BLOCK_SIZE_K]`` for A and
     ``[BLOCK_SIZE_K, BLOCK_SIZE_N]`` for B, or their transposes when ``A_T``/``B_T``.
@@ -130,7 +180,7 @@ def desc_mainloop(
     M, N and K need no masks.
     """
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for ki in tl.range(0, tl.cdiv(K, BLOCK_SIZE_K), warp_specialize=WARP_SPECIALIZE):
+    for ki in tl.range(k_lo, k_hi, warp_specialize=WARP_SPECIALIZE):
         off_k = ki * BLOCK_SIZE_K
         if A_T:
             a = a_desc.load([off_k, off_m]).T

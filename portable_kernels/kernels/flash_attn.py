@@ -17,13 +17,13 @@ grows, plus ``p = exp2(s - m)`` and ``acc += p·v``. After the loop ``out = acc 
 ``LSE = (m + log2 l)·ln 2`` (the natural log-sum-exp of the scaled scores) is stored in fp32,
 (B, H, Nq), for the backward. The key loop runs in two stages through one helper: the key
 blocks every row of the tile sees in full (no mask at all), then the causal diagonal and
-the Nk tail (masked).
+the Nk tail (masked); with ``WARP_SPECIALIZE``, one stage over all blocks, masked.
 
 ``causal`` is SDPA's ``is_causal``, top-left aligned: query ``i`` sees keys ``j <= i``
 whatever Nq and Nk. Key 0 is visible to every row, so no row is empty; with ``Nk == 0``
 the output is zeros, as SDPA's math backend returns.
 
-Constexpr switches (each variant sets all four; see ``SWITCHES``):
+Constexpr switches (each variant sets them all; see ``SWITCHES``):
     UPCAST: convert loaded tiles to fp32 before the dots and keep P in fp32. The CPU
         backend sets it: the interpreter keeps bf16 as raw bits. Off on GPUs: fp16/bf16
         tensor-core dots with fp32 accumulation, P rounded to the input dtype for P·V.
@@ -43,6 +43,20 @@ Constexpr switches (each variant sets all four; see ``SWITCHES``):
         second without changing operand layout; ``out`` is stored through transposed
         strides. The V0/V1/V2 loops are one loop: the orientation helpers below pick the
         axis and the operand order.
+    TMA (nvidia.hopper): Q, K, V and O tiles move through tensor descriptors (the copy
+        engine; device-side ``tl.make_tensor_descriptor`` of each head's (N, D) matrix, with
+        scratch memory lent by the launcher) instead of masked pointer loads. The copy
+        engine zero-fills rows and columns past the ends and drops them on stores, so tiles
+        need no load masks (scores of keys past Nk still are). Needs a unit stride along D
+        and 16-byte aligned addresses and strides; :func:`tma_accepts` sends other
+        problems, fp32 and head dims other than 64 and 128 to the pointer path. Composes
+        with the switches above (tested under the interpreter), though no variant does so.
+    WARP_SPECIALIZE (nvidia.hopper; a config may set it, see ``_autotuned_forward``): the
+        key loop is ``tl.range(..., warp_specialize=True)``: the compiler splits the program
+        into a producer warpgroup issuing the K/V copies and consumer warpgroups doing the
+        dots and the softmax, decoupled by ``num_stages`` shared-memory buffers. Triton 3.6
+        does this for sm_90 only for a kernel with one loop and no branch in it, so this
+        switch also turns the two stages into one loop over every block, each masked.
 
 Backward, shared by every variant (the switches above shape only the forward; UPCAST
 applies to both): a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel
@@ -52,13 +66,23 @@ summed in fp32 registers, with no per-query-head buffers); the dq kernel runs on
 per ``BLOCK_M`` queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the
 gradient of the scaled scores, hence the final ``· sm_scale`` on dq and dk.
 
+nvidia.hopper keeps this backward, pointer loads included (sm_90 pipelines them through
+cp.async): the dk/dv kernel nests the query-block loop in a loop over the GQA group and
+holds dots outside any one loop, which triton 3.6 cannot warp-specialize for sm_90 (see
+WARP_SPECIALIZE), so descriptors there would bring TMA copies without the producer/consumer
+split; that rewrite (e.g. one loop over group × query blocks) is left for later. Its
+configs carry the generic table's backward settings, so both variants share compiled
+backward kernels.
+
 Config (from the backend's tuning table): ``BLOCK_M``, ``BLOCK_N`` (forward tile),
 optional ``BWD_BLOCK_M``, ``BWD_BLOCK_N``, ``BWD_NUM_WARPS``, ``BWD_NUM_STAGES`` (backward
 kernels; default: the forward's), optional
 ``ROW_BYTES_MAX`` (the config applies when one padded K/V row, ``BLOCK_D`` × element size,
 fits in it; the launcher takes the first config that fits, else the last), ``num_warps``,
 ``num_stages``, and any other keyword (e.g. ``waves_per_eu`` on ROCm) goes to every launch
-as a compiler option.
+as a compiler option. The TMA path autotunes its forward instead, among the configs of the
+tightest ``ROW_BYTES_MAX`` that fits (optional ``WARP_SPECIALIZE`` per config), keyed on
+the sequence-length bucket, D, causal and dtype; its backward takes the first that fits.
 """
 from __future__ import annotations
 
@@ -76,13 +100,24 @@ NAME = "flash_attn"
 
 #: The constexpr switches of the forward kernel and their portable defaults (the generic
 #: variant); a variant overrides some of them.
-SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": False}
+SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": False,
+            "TMA": False, "WARP_SPECIALIZE": False}
+
+#: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
+#: padding, for which its sm_90 configs are compiled and tuned.
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+TMA_HEAD_DIMS = (64, 128)
 
 _MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 # Config keys the launcher reads itself; every other config kwarg is a compiler option.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
-                        "BWD_NUM_STAGES", "ROW_BYTES_MAX"})
+                        "BWD_NUM_STAGES", "ROW_BYTES_MAX", "WARP_SPECIALIZE"})
+# ... of which the forward kernel does not take these (the autotuned path drops them).
+_NOT_FORWARD_KEYS = _HOST_KEYS - {"BLOCK_M", "BLOCK_N", "WARP_SPECIALIZE"}
+# Sequence-length buckets below this are not autotuned: the first config that fits runs.
+# Such launches are short and few-programmed, so tuning would cost more than it gains.
+_TUNE_MIN_BUCKET = 512
 
 LOG2E = tl.constexpr(_LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -143,6 +178,60 @@ def _store_seq_tile(base, tile, offs_s, offs_d, stride_s, stride_d, n_s, D,
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
 
 
+# --- load paths: masked pointers, or tensor descriptors (TMA) ----------------------------------
+# A "source" is what the tile helpers below read from: the (N, D) matrix's base pointer, or
+# with TMA a tensor descriptor of it. The kernels build their sources once and pass them
+# around, so the loops read the same whichever path the variant takes.
+
+@triton.jit
+def _seq_source(base, n_s, stride_s, D, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+                TMA: tl.constexpr):
+    """``base`` for pointer loads; with ``TMA`` a device-side tensor descriptor of the
+    (n_s, D) matrix at ``base`` (unit stride along D) that moves [BLOCK_S, BLOCK_DC] tiles.
+
+    The copy engine reads rows past ``n_s`` and columns past ``D`` as zeros and drops them
+    on stores, so descriptor tiles need no masks. It needs a 16-byte aligned ``base`` and
+    ``stride_s``; :func:`tma_accepts` sends other problems to the pointer path."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[n_s, D], strides=[stride_s, 1],
+                                        block_shape=[BLOCK_S, BLOCK_DC])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _read_seq_tile(src, start_s, start_d, offs_s, offs_d, stride_s, stride_d, n_s, D,
+                   CHECK_S: tl.constexpr, PAD_D: tl.constexpr, D_MAJOR: tl.constexpr,
+                   UPCAST: tl.constexpr, TMA: tl.constexpr):
+    """:func:`_load_seq_tile` from a source: rows ``start_s + [0, S)`` and columns
+    ``start_d + [0, Dc)`` (= ``offs_s``, ``offs_d``). With ``TMA`` one bulk copy into shared
+    memory; the transpose for ``D_MAJOR`` is a view of that buffer (the MMA reads 16-bit
+    operands from shared memory in either order), not a data movement."""
+    if TMA:
+        t = src.load([start_s, start_d])
+        if D_MAJOR:
+            t = t.T
+        if UPCAST:
+            t = t.to(tl.float32)
+    else:
+        t = _load_seq_tile(src, offs_s, offs_d, stride_s, stride_d, n_s, D,
+                           CHECK_S, PAD_D, D_MAJOR, UPCAST)
+    return t
+
+
+@triton.jit
+def _write_seq_tile(dst, tile, start_s, start_d, offs_s, offs_d, stride_s, stride_d, n_s, D,
+                    PAD_D: tl.constexpr, D_MAJOR: tl.constexpr, TMA: tl.constexpr):
+    """:func:`_store_seq_tile` to a source (see :func:`_read_seq_tile`)."""
+    if TMA:
+        if D_MAJOR:
+            tile = tile.T
+        dst.store([start_s, start_d], tile.to(dst.dtype))
+    else:
+        _store_seq_tile(dst, tile, offs_s, offs_d, stride_s, stride_d, n_s, D, PAD_D, D_MAJOR)
+
+
 # --- orientation helpers: the normal tile is [queries, keys], the transposed one [keys, queries]
 
 @triton.jit
@@ -176,16 +265,16 @@ def _sum_over_keys(s, TRANSPOSED: tl.constexpr):
 @triton.jit
 def _visible(offs_m, offs_n, N_K, CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Which (query, key) pairs of a score tile count: keys below ``N_K`` and, when causal,
-    keys ``j <= i`` (SDPA's top-left alignment)."""
+    keys ``j <= i`` (SDPA's top-left alignment). One compare per score: causal folds both
+    limits into a per-query last key, ``min(i, N_K - 1)`` (loop-invariant, so hoisted)."""
     if TRANSPOSED:
-        qi = offs_m[None, :]
         kj = offs_n[:, None]
     else:
-        qi = offs_m[:, None]
         kj = offs_n[None, :]
-    ok = kj < N_K
     if CAUSAL:
-        ok = ok & (kj <= qi)
+        ok = kj <= _per_query(tl.minimum(offs_m, N_K - 1), TRANSPOSED)
+    else:
+        ok = kj < N_K
     return ok
 
 
@@ -206,33 +295,37 @@ def _mma(a, b, acc, SWAP: tl.constexpr):
 def _attn_fwd_inner(
     acc0, acc1, l_i, m_i,                         # running state (see the kernel)
     q0, q1,                                       # query tile, one chunk per head-dim split
-    k_base, v_base,                               # this (batch, kv head)'s K and V
+    k_src, v_src,                                 # this (batch, kv head)'s K and V sources
     stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_d0, offs_d1,
     lo, hi, N_K, D, qk_scale,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr,
     MASKED: tl.constexpr,                         # blocks on the causal diagonal or the Nk tail
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr,
     UPCAST: tl.constexpr, DEFERRED: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # K is the right operand of q·kᵀ (so loaded as a Kᵀ view) in the normal orientation and
     # the left operand of K·Qᵀ in the transposed one; V the other way round.
     K_D_MAJOR: tl.constexpr = TRANSPOSED == False  # noqa: E712 (a constexpr, not a bool)
-    for start_n in range(lo, hi, BLOCK_N):
+    # warp_specialize: the compiler gives the K/V copies to a producer warpgroup and the dots
+    # and softmax to consumer warpgroups, decoupled by a ring of num_stages K/V buffers.
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- scores (fp32), in the variant's orientation, one dot per head-dim chunk --
-        k0 = _load_seq_tile(k_base, offs_n, offs_d0, stride_kn, stride_kd, N_K, D,
-                            MASKED, PAD_D, K_D_MAJOR, UPCAST)
+        k0 = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d0, stride_kn, stride_kd, N_K, D,
+                            MASKED, PAD_D, K_D_MAJOR, UPCAST, TMA)
         s = _mma(q0, k0, None, TRANSPOSED)
         if HEAD_SPLIT == 2:
-            k1 = _load_seq_tile(k_base, offs_n, offs_d1, stride_kn, stride_kd, N_K, D,
-                                MASKED, PAD_D, K_D_MAJOR, UPCAST)
+            k1 = _read_seq_tile(k_src, start_n, BLOCK_DC, offs_n, offs_d1, stride_kn, stride_kd,
+                                N_K, D, MASKED, PAD_D, K_D_MAJOR, UPCAST, TMA)
             s = _mma(q1, k1, s, TRANSPOSED)
         s = s * qk_scale
         if MASKED:
             # -inf: exp2 gives exactly 0, and the max never comes from a hidden key. Every
             # row sees key 0, so m_new below is finite and exp2(-inf - m_new) is no NaN.
+            # (Descriptor loads read keys past Nk as zeros: finite scores, so masked too.)
             s = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, TRANSPOSED), s, float("-inf"))
         # -- online softmax: rescale what was accumulated under the old max --
         m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED))
@@ -244,14 +337,14 @@ def _attn_fwd_inner(
         else:
             l_i = l_i * alpha + _sum_over_keys(p, TRANSPOSED)
         # -- acc += P·V per chunk (accᵀ += Vᵀ·Pᵀ when transposed) --
-        v0 = _load_seq_tile(v_base, offs_n, offs_d0, stride_vn, stride_vd, N_K, D,
-                            MASKED, PAD_D, TRANSPOSED, UPCAST)
+        v0 = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d0, stride_vn, stride_vd, N_K, D,
+                            MASKED, PAD_D, TRANSPOSED, UPCAST, TMA)
         # Tensor cores take both operands in the input dtype (fp32 under UPCAST).
         p = p.to(v0.dtype)
         acc0 = _mma(p, v0, acc0 * _per_query(alpha, TRANSPOSED), TRANSPOSED)
         if HEAD_SPLIT == 2:
-            v1 = _load_seq_tile(v_base, offs_n, offs_d1, stride_vn, stride_vd, N_K, D,
-                                MASKED, PAD_D, TRANSPOSED, UPCAST)
+            v1 = _read_seq_tile(v_src, start_n, BLOCK_DC, offs_n, offs_d1, stride_vn, stride_vd,
+                                N_K, D, MASKED, PAD_D, TRANSPOSED, UPCAST, TMA)
             acc1 = _mma(p, v1, acc1 * _per_query(alpha, TRANSPOSED), TRANSPOSED)
         m_i = m_new
     return acc0, acc1, l_i, m_i
@@ -259,7 +352,7 @@ def _attn_fwd_inner(
 
 # --- kernels --------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_BUCKET"])
 def _flash_attn_fwd_kernel(
     Q, K, V, Out, Lse,                                        # pointers; Lse: fp32 (B, H, Nq)
     stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
@@ -268,10 +361,12 @@ def _flash_attn_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, N_Q, N_K, D,                                    # sizes; GROUP = H // H_kv
     qk_scale,                                                 # sm_scale * log2(e)
+    N_BUCKET,                                                 # autotuning key only (_bucket)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr,                # per call
     UPCAST: tl.constexpr, DEFERRED: tl.constexpr,             # per variant (module docstring)
     HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # --- program id to tile ---
     start_m = tl.program_id(0) * BLOCK_M
@@ -288,15 +383,21 @@ def _flash_attn_fwd_kernel(
     BLOCK_DC: tl.constexpr = BLOCK_D // HEAD_SPLIT
     offs_d0 = tl.arange(0, BLOCK_DC)
     offs_d1 = offs_d0 + BLOCK_DC  # the second chunk; unused without a split
+    # Pointers, or with TMA descriptors of this head's (N, D) matrices (built once here, so
+    # the producer side of a warp-specialized loop only issues copies).
+    q_src = _seq_source(q_base, N_Q, stride_qm, D, BLOCK_M, BLOCK_DC, TMA)
+    k_src = _seq_source(k_base, N_K, stride_kn, D, BLOCK_N, BLOCK_DC, TMA)
+    v_src = _seq_source(v_base, N_K, stride_vn, D, BLOCK_N, BLOCK_DC, TMA)
+    o_src = _seq_source(o_base, N_Q, stride_om, D, BLOCK_M, BLOCK_DC, TMA)
 
     # --- query tile: loaded once, held for the whole key loop ---
     # Rows past Nq read as 0: their scores are finite and their outputs are never stored.
-    q0 = _load_seq_tile(q_base, offs_m, offs_d0, stride_qm, stride_qd, N_Q, D,
-                        True, PAD_D, TRANSPOSED, UPCAST)
+    q0 = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d0, stride_qm, stride_qd, N_Q, D,
+                        True, PAD_D, TRANSPOSED, UPCAST, TMA)
     q1 = q0
     if HEAD_SPLIT == 2:
-        q1 = _load_seq_tile(q_base, offs_m, offs_d1, stride_qm, stride_qd, N_Q, D,
-                            True, PAD_D, TRANSPOSED, UPCAST)
+        q1 = _read_seq_tile(q_src, start_m, BLOCK_DC, offs_m, offs_d1, stride_qm, stride_qd,
+                            N_Q, D, True, PAD_D, TRANSPOSED, UPCAST, TMA)
 
     # --- running state: max and row sum in the exp2 domain, fp32 accumulators ---
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -321,26 +422,39 @@ def _flash_attn_fwd_kernel(
     else:
         full_end = N_K // BLOCK_N * BLOCK_N
         hi = N_K
-    acc0, acc1, l_i, m_i = _attn_fwd_inner(
-        acc0, acc1, l_i, m_i, q0, q1, k_base, v_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
-        0, full_end, N_K, D, qk_scale,
-        BLOCK_N, False, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED)
-    acc0, acc1, l_i, m_i = _attn_fwd_inner(
-        acc0, acc1, l_i, m_i, q0, q1, k_base, v_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
-        full_end, hi, N_K, D, qk_scale,
-        BLOCK_N, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED)
+    if WARP_SPECIALIZE:
+        # One warp-specialized loop over every block, each masked: Triton 3.6 cannot
+        # warp-specialize for sm_90 a kernel with dots outside the specialized loop (the
+        # compiler fails) or a loop body with a branch (it silently does not specialize).
+        acc0, acc1, l_i, m_i = _attn_fwd_inner(
+            acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
+            0, hi, N_K, D, qk_scale,
+            BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
+            TMA, True)
+    else:
+        acc0, acc1, l_i, m_i = _attn_fwd_inner(
+            acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
+            0, full_end, N_K, D, qk_scale,
+            BLOCK_N, BLOCK_DC, False, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
+            TMA, False)
+        acc0, acc1, l_i, m_i = _attn_fwd_inner(
+            acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
+            full_end, hi, N_K, D, qk_scale,
+            BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
+            TMA, False)
 
     # --- write-back: normalize, store out (through transposed strides if so) and LSE ---
     if DEFERRED:
         l_i = _sum_over_keys(l_i, TRANSPOSED)  # the one cross-thread reduction of the sums
     inv_l = _per_query(1.0 / l_i, TRANSPOSED)
-    _store_seq_tile(o_base, acc0 * inv_l, offs_m, offs_d0, stride_om, stride_od, N_Q, D,
-                    PAD_D, TRANSPOSED)
+    _write_seq_tile(o_src, acc0 * inv_l, start_m, 0, offs_m, offs_d0, stride_om, stride_od,
+                    N_Q, D, PAD_D, TRANSPOSED, TMA)
     if HEAD_SPLIT == 2:
-        _store_seq_tile(o_base, acc1 * inv_l, offs_m, offs_d1, stride_om, stride_od, N_Q, D,
-                        PAD_D, TRANSPOSED)
+        _write_seq_tile(o_src, acc1 * inv_l, start_m, BLOCK_DC, offs_m, offs_d1, stride_om,
+                        stride_od, N_Q, D, PAD_D, TRANSPOSED, TMA)
     lse = (m_i + tl.math.log2(l_i)) * LN2
     tl.store(Lse + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
 
@@ -497,6 +611,31 @@ class Problem(NamedTuple):
     head_dim: int
     causal: bool
     gqa: bool
+    descriptor_issue: str  # why tensor descriptors cannot describe q, k, v ("" when they can)
+
+
+def _descriptor_issue(d: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Why a tensor descriptor cannot describe each (batch, head)'s (N, D) matrix of q, k
+    or v (head dim ``d``), or "". The copy engine needs unit stride along D, and 16-byte
+    aligned base addresses and strides (batch and head strides too: they offset the base).
+    It runs on every call, so contiguous tensors (strides are multiples of D) take one test,
+    and its fixed messages keep the selection cache small."""
+    align = 16 // q.element_size()  # one dtype (problem checked it); a power of two
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.is_contiguous() and d % align == 0 and t.data_ptr() % 16 == 0:
+            continue
+        sb, sh, sn, sd = t.stride()
+        if sd != 1 and d > 1:
+            return f"{name}'s head dim is not contiguous (stride(-1) != 1)"
+        ptr = t.data_ptr()
+        if ptr % 16 == 0 and (sb | sh | sn) % align == 0 and sn >= d:
+            continue
+        # Batch and head strides do not matter where there is one batch or head.
+        nb, nh = t.shape[0], t.shape[1]
+        if ptr % 16 or sn % align or sn < d or (nb > 1 and sb % align) or (nh > 1 and sh % align):
+            return (f"{name}'s base address or batch/head/sequence strides are not multiples "
+                    "of 16 bytes (or its rows overlap)")
+    return ""
 
 
 def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Problem:
@@ -532,7 +671,21 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Pro
     if sm_scale is not None and not isinstance(sm_scale, (int, float)):
         raise _host.DTypeError(
             f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    return Problem(device, dtype, d, bool(causal), h != h_kv)
+    return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v))
+
+
+def tma_accepts(problem: Problem, device) -> str | None:
+    """Predicate of descriptor (TMA) variants; what they cannot take goes elsewhere."""
+    if problem.dtype not in TMA_DTYPES:
+        return (f"{_host._dtype_name(problem.dtype)} inputs stay on pointer loads: the "
+                "descriptor path takes float16 and bfloat16 (tf32 MMAs read only K-major "
+                "operands from shared memory, which V's tiles are not)")
+    if problem.head_dim not in TMA_HEAD_DIMS:
+        return (f"head dim {problem.head_dim} stays on pointer loads: the descriptor path "
+                f"takes D in {TMA_HEAD_DIMS} (other sizes need padded, masked columns)")
+    if problem.descriptor_issue:
+        return f"no tensor descriptor fits: {problem.descriptor_issue}"
+    return _host.dtype_supported(problem, device)
 
 
 def _block_d(d: int) -> int:
@@ -565,13 +718,68 @@ def _options(cfg: triton.Config, backward: bool = False) -> dict[str, Any]:
 
 def _switches(plan, block_d: int) -> dict[str, Any]:
     def build() -> dict[str, Any]:
-        switches = {k: plan.switches[k] for k in SWITCHES}
+        switches = {k: plan.switches.get(k, default) for k, default in SWITCHES.items()}
         # tl.dot needs chunks of at least 16 columns.
         if switches["HEAD_SPLIT"] != 1 and block_d // switches["HEAD_SPLIT"] < 16:
             switches["HEAD_SPLIT"] = 1
         return switches
 
     return plan.cached((NAME, "switches", block_d), build)
+
+
+def _bucket(n_q: int, n_k: int) -> int:
+    """The autotuning key of a sequence-length pair: the next power of two of the longer
+    one, so that lengths of one bucket share a tuning result."""
+    return triton.next_power_of_2(max(n_q, n_k))
+
+
+def _candidates(configs: list, classes: dict, row: int, bucket: int) -> list:
+    """The configs to autotune among for a padded row of ``row`` bytes and a sequence
+    bucket: those of the tightest row class (``classes[config]``: the ``ROW_BYTES_MAX``
+    values it was listed under) that fits, as :func:`_config` takes the first config that
+    fits (none fitting: the last config); below ``_TUNE_MIN_BUCKET`` only the first."""
+    fitting = [r for c in configs for r in classes.get(c, {math.inf}) if r >= row]
+    if not fitting:
+        return configs[-1:]
+    tight = min(fitting)
+    fit = [c for c in configs if tight in classes.get(c, {math.inf})]
+    return fit if bucket >= _TUNE_MIN_BUCKET else fit[:1]
+
+
+def _autotuned_forward(plan):
+    """The forward kernel autotuned among the plan's configs (descriptor path).
+
+    Each config's forward part (``BLOCK_M``, ``BLOCK_N``, warps, stages, compiler options,
+    and ``WARP_SPECIALIZE``: a config may set it, else the variant's switch holds) is a
+    candidate, without the keys only the launcher reads; :func:`_candidates` prunes them per
+    problem. The backward keeps :func:`_config`'s choice.
+
+    ``WARP_SPECIALIZE`` is per config because it works only with some warp counts: for
+    sm_90, Triton 3.6 turns ``num_warps=4`` into a producer warpgroup and two consumer
+    warpgroups of 64 query rows, and with 8 warps silently does not specialize, where the
+    two-loop shape (unmasked blocks, then the diagonal) is the better one."""
+    ws = plan.switches.get("WARP_SPECIALIZE", False)
+
+    def build():
+        # Forward candidates in the plan's order, each with the row classes it appears in
+        # (one tile may be listed for several, with different backward settings).
+        classes: dict[triton.Config, set] = {}
+        for cfg in plan.configs:
+            kwargs = {k: v for k, v in cfg.kwargs.items() if k not in _NOT_FORWARD_KEYS}
+            kwargs.setdefault("WARP_SPECIALIZE", ws)
+            fwd = triton.Config(kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                maxnreg=cfg.maxnreg)
+            classes.setdefault(fwd, set()).add(cfg.kwargs.get("ROW_BYTES_MAX", math.inf))
+
+        def prune(configs, nargs, **kwargs):
+            return _candidates(configs, classes, kwargs["BLOCK_D"] * nargs["Q"].element_size(),
+                               nargs["N_BUCKET"])
+
+        _ = plan.config  # a clear error when the plan has no configs
+        return plan.autotuned(_flash_attn_fwd_kernel, key=["N_BUCKET", "BLOCK_D", "CAUSAL"],
+                              configs=list(classes), prune_configs_by={"early_config_prune": prune})
+
+    return plan.cached((NAME, "autotuned forward"), build)
 
 
 def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -585,16 +793,27 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
     if n_k == 0:  # no keys: SDPA's math backend returns zeros
         return out.zero_(), lse.fill_(float("-inf"))
     block_d = _block_d(d)
+    switches = _switches(plan, block_d)
+    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            h, h // h_kv, n_q, n_k, d, scale * _LOG2E)
+    if switches["TMA"]:
+        # Descriptor path: autotuned among the plan's tiles, each config setting
+        # WARP_SPECIALIZE (see _autotuned_forward); device-side descriptors need scratch
+        # memory for the launch.
+        tma_switches = plan.cached((NAME, "tma switches", block_d), lambda: {
+            name: value for name, value in switches.items() if name != "WARP_SPECIALIZE"})
+        with _host.scratch_allocator(q.device):
+            _autotuned_forward(plan)[lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), b * h)](
+                *args, _bucket(n_q, n_k),
+                BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d, **tma_switches,
+            )
+        return out, lse
     cfg = _config(plan, block_d, q.element_size())
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-    grid = (triton.cdiv(n_q, block_m), b * h)
-    _flash_attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        h, h // h_kv, n_q, n_k, d,
-        scale * _LOG2E,
+    _flash_attn_fwd_kernel[(triton.cdiv(n_q, block_m), b * h)](
+        *args, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        **_switches(plan, block_d), **_options(cfg),
+        **switches, **_options(cfg),
     )
     return out, lse
 

@@ -30,7 +30,7 @@ groups and the largest group's sizes rounded up to powers of two.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -97,22 +97,16 @@ def _grouped_matmul_kernel(
         if TMA:
             # --- descriptors, built only by programs with tiles in this group ---
             if start < end_tile:
-                a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
-                                                   block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_K])
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
-                                                   block_shape=[BLOCK_SIZE_K, BLOCK_SIZE_N])
-                if EPILOGUE_SUBTILE:
-                    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
-                                                       block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N // 2])
-                else:
-                    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
-                                                       block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N])
+                a_desc, b_desc, c_desc = _tiles.gemm_descriptors(
+                    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, 1, stride_bk, 1, stride_cm,
+                    BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, False, False, EPILOGUE_SUBTILE)
                 for tile_id in tl.range(start, end_tile, num_programs):
                     pid_m, pid_n = _tiles.grouped_tile(tile_id - first_tile, num_pid_m, num_pid_n,
                                                        GROUP_SIZE_M)
                     off_m = pid_m * BLOCK_SIZE_M
                     off_n = pid_n * BLOCK_SIZE_N
-                    acc = _tiles.desc_mainloop(a_desc, b_desc, K, off_m, off_n,
+                    acc = _tiles.desc_mainloop(a_desc, b_desc, off_m, off_n,
+                                               0, tl.cdiv(K, BLOCK_SIZE_K),
                                                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
                                                False, False, UPCAST, False)
                     _tiles.desc_store(c_desc, acc, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N,
@@ -137,7 +131,7 @@ def _grouped_matmul_kernel(
                 off_m = pid_m * BLOCK_SIZE_M
                 off_n = pid_n * BLOCK_SIZE_N
                 acc = _tiles.ptr_mainloop(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                                          stride_bn, off_m, off_n,
+                                          stride_bn, off_m, off_n, 0, tl.cdiv(K, BLOCK_SIZE_K),
                                           BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, UPCAST)
                 _tiles.ptr_store(c_ptr, acc, M, N, stride_cm, stride_cn, off_m, off_n,
                                  BLOCK_SIZE_M, BLOCK_SIZE_N)
@@ -216,22 +210,6 @@ def _prune(configs: list, nargs: dict, **kwargs) -> list:
     return fit_tiles(configs, nargs["M_KEY"], nargs["N_KEY"])
 
 
-@contextlib.contextmanager
-def _scratch_allocator(device: torch.device) -> Iterator[None]:
-    """Device-side tensor descriptors need global scratch memory at launch: lend Triton a
-    torch allocator for the launch only, leaving the caller's own setting alone."""
-    from triton.runtime import _allocation
-
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device=device)
-
-    token = _allocation._allocator.set(alloc)
-    try:
-        yield
-    finally:
-        _allocation._allocator.reset(token)
-
-
 def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[a @ b for a, b in zip(list_a, list_b)]`` in one launch. Each ``a`` is (M_g, K_g),
     each ``b`` (K_g, N_g), any strides, all of one float dtype (fp16, bf16, fp32) and
@@ -267,7 +245,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
     keys = [triton.next_power_of_2(max(s[i] for s in shapes)) for i in range(3)]
     kernel = plan.autotuned(_grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY"],
                             prune_configs_by={"early_config_prune": _prune})
-    with _scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():
+    with _host.scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():
         kernel[grid](
             table, len(rows), *keys,
             DTYPE=_TL_DTYPES[dtype], VEC=16 // list_a[0].element_size(), ALIGNED=aligned,

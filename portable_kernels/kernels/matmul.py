@@ -7,18 +7,29 @@ rounds to the output dtype once at the end. Tiles are visited in grouped order
 shares stay in L2. The tile steps live in ``_tiles.py``, shared with ``grouped_matmul``.
 
 Constexpr switches (a variant sets them; see ``_tiles.py`` for the ones the helpers take):
-    TMA: operands and output go through tensor descriptors (host ``TensorDescriptor``s
-        whose block shapes a config pre-hook sets) instead of masked pointer loads.
-        Needs 16-byte aligned strides; a column-major operand is described through its
-        transpose (``A_T``/``B_T``, chosen per call).
-    PERSISTENT: launch ``min(SMs, tiles)`` programs that each walk tiles with a stride of
-        the grid size, instead of one program per tile.
+    TMA: operands and output go through tensor descriptors, built on the device once per
+        program (``_tiles.gemm_descriptors``), instead of masked pointer loads. Needs
+        16-byte aligned bases and strides; a column-major operand is described through
+        its transpose (``A_T``/``B_T``, chosen per call).
+    PERSISTENT: launch ``min(SMs, work units)`` programs that each walk work units with a
+        stride of the grid size, instead of one program per work unit.
     WARP_SPECIALIZE: warp-specialized K loop (TMA path only).
     UPCAST: fp32 dots (the interpreter's bf16 arithmetic is wrong).
 
 Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``, optionally
-``EPILOGUE_SUBTILE`` (TMA path: store the tile in two halves), ``num_warps``,
+``EPILOGUE_SUBTILE`` (TMA path: store the tile in two halves) and ``SPLIT_K``, ``num_warps``,
 ``num_stages``; autotuned per (M, N, K).
+
+Split-K (``SPLIT_K > 1``, a config): when the output has too few tiles to occupy every SM
+(decode-sized M, small squares), each tile's K range is cut into ``SPLIT_K`` slices of
+whole ``BLOCK_SIZE_K`` blocks and a work unit is one (slice, tile) pair, so ``SPLIT_K``
+times as many programs stream the operands. Every slice stores its fp32 partial tile in a
+``[SPLIT_K, M, N]`` workspace and counts itself in on the tile's counter (an atomic
+increment with release/acquire semantics); the slice that arrives last sums the
+``SPLIT_K`` partials in slice order (so the result does not depend on arrival order),
+stores the tile and resets the counter to zero. One launch, no second pass; the launcher
+allocates the workspace (zeroed counters) only for problems where the pruning keeps a
+split config.
 
 Variants: ``generic`` (pointer loads, one program per tile) here; the NVIDIA backend
 registers ``nvidia.persistent_tma`` (TMA + PERSISTENT + WARP_SPECIALIZE) over the same
@@ -26,12 +37,13 @@ kernel.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..registry import KernelSpec, Variant
 from . import _host, _tiles
@@ -48,7 +60,7 @@ def _matmul_launch_metadata(grid, kernel, args) -> dict:
     size, the flops and the bytes moved at least once."""
     M, N, K = args["M"], args["N"], args["K"]
     out = args["c"]
-    out = getattr(out, "base", out)  # a TensorDescriptor on the TMA path
+    out = getattr(out, "base", out)  # in case of a host TensorDescriptor
     size = out.element_size()
     return {
         "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
@@ -60,38 +72,122 @@ def _matmul_launch_metadata(grid, kernel, args) -> dict:
 # --- kernel ---------------------------------------------------------------------------------
 
 @triton.jit
+def _store_tile(
+    c, acc,                                         # output pointer or descriptor, fp32 tile
+    M, N, stride_cm, stride_cn,                     # output sizes and strides (pointer path)
+    off_m, off_n,                                   # the tile's first row and column
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, TMA: tl.constexpr,
+):
+    if TMA:
+        _tiles.desc_store(c, acc, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE)
+    else:
+        _tiles.ptr_store(c, acc, M, N, stride_cm, stride_cn, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N)
+
+
+@triton.jit
+def _split_k_store(
+    partials, counters,                             # fp32 [SPLIT_K, M, N] workspace, int32 per tile
+    c, acc,                                         # output pointer or descriptor, fp32 partial tile
+    tile_id, split,                                 # which tile, which K slice
+    M, N, stride_cm, stride_cn,                     # output sizes and strides (pointer path)
+    off_m, off_n,                                   # the tile's first row and column
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
+):
+    """Split-K epilogue: store this slice's partial tile; the tile's last slice to arrive
+    sums all ``SPLIT_K`` partials and stores the result."""
+    offs_m = tl.arange(0, BLOCK_SIZE_M)
+    offs_n = tl.arange(0, BLOCK_SIZE_N)
+    in_tile = (off_m + offs_m[:, None] < M) & (off_n + offs_n[None, :] < N)
+    # The tile in plane 0 of the workspace (int64: planes pass 2**31 elements), offsets
+    # within it (int32: a tile's rows span less than 2**31 elements), one plane apart.
+    tile_0 = partials + (tl.cast(off_m, tl.int64) * N + off_n)
+    at = offs_m[:, None] * N + offs_n[None, :]
+    plane = tl.cast(M, tl.int64) * N
+    tl.store(tile_0 + split * plane + at, acc, mask=in_tile)
+    # --- count this slice in ---
+    # The barrier orders every thread's partial stores before the atomic, which one
+    # thread performs with release semantics (cumulative: it publishes what the barrier
+    # ordered before it); its acquire side makes the other slices' partials visible to
+    # the last one, whose threads wait at the barrier that broadcasts the atomic's result.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + tile_id, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        # --- the last slice: sum the partials in slice order, not arrival order, so the
+        # result is the same from run to run. ".cg" loads read L2, where the other SMs'
+        # stores are, never a stale line of this SM's L1. A loop, not unrolled: one
+        # partial tile in registers at a time. ---
+        total = tl.load(tile_0 + at, mask=in_tile, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):
+            total += tl.load(tile_0 + s * plane + at, mask=in_tile, other=0.0, cache_modifier=".cg")
+        # Leave the counter at zero: the autotuner relaunches with the same arguments.
+        tl.atomic_xchg(counters + tile_id, 0)
+        _store_tile(c, total, M, N, stride_cm, stride_cn, off_m, off_n,
+                    BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, TMA)
+
+
+@triton.jit
 def _matmul_tile(
-    tile_id,                                        # linear tile index (grouped order)
+    work_id,                                        # linear work unit: (K slice, tile)
     a, b, c,                                        # pointers, or descriptors when TMA
+    partials, counters,                             # split-K workspace (SPLIT_K > 1 only)
     M, N, K,                                        # sizes
     stride_am, stride_ak, stride_bk, stride_bn,     # operand strides (pointer path)
     stride_cm, stride_cn,                           # output strides (pointer path)
     num_pid_m, num_pid_n,                           # tiles along M and N
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr,
 ):
+    # --- work unit -> tile (grouped order) and K blocks [k_lo, k_hi) ---
+    k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
+    if SPLIT_K == 1:
+        tile_id = work_id
+        k_lo = 0
+        k_hi = k_blocks
+    else:
+        # Slice-major: units num_tiles apart are the slices of one tile, so consecutive
+        # programs take neighbouring tiles of one slice and the grouped order's L2 reuse
+        # holds within a slice. Slices are whole blocks; trailing ones may be empty
+        # (their partial is zeros), the last non-empty one holds the K tail.
+        num_tiles = num_pid_m * num_pid_n
+        split = work_id // num_tiles
+        tile_id = work_id - split * num_tiles
+        k_per_split = tl.cdiv(k_blocks, SPLIT_K)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, k_blocks)
     pid_m, pid_n = _tiles.grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_SIZE_M)
     off_m = pid_m * BLOCK_SIZE_M
     off_n = pid_n * BLOCK_SIZE_N
+
+    # --- main loop ---
     if TMA:
-        acc = _tiles.desc_mainloop(a, b, K, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
-                                   A_T, B_T, UPCAST, WARP_SPECIALIZE)
-        _tiles.desc_store(c, acc, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE)
+        acc = _tiles.desc_mainloop(a, b, off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                                   BLOCK_SIZE_K, A_T, B_T, UPCAST, WARP_SPECIALIZE)
     else:
         acc = _tiles.ptr_mainloop(a, b, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                  off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, UPCAST)
-        _tiles.ptr_store(c, acc, M, N, stride_cm, stride_cn, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N)
+                                  off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
+                                  UPCAST)
+
+    # --- write-back ---
+    if SPLIT_K == 1:
+        _store_tile(c, acc, M, N, stride_cm, stride_cn, off_m, off_n,
+                    BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, TMA)
+    else:
+        _split_k_store(partials, counters, c, acc, tile_id, split, M, N, stride_cm, stride_cn,
+                       off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, SPLIT_K, TMA)
 
 
 @triton.jit(launch_metadata=_matmul_launch_metadata)
 def _matmul_kernel(
-    # --- pointers (tensor descriptors when TMA) ---
+    # --- pointers ---
     a, b, c,
+    partials, counters,     # split-K workspace: fp32 [SPLIT_K, M, N], int32 per tile, zeroed
     # --- sizes ---
     M, N, K,
-    # --- strides, in elements (unused when TMA: the descriptors carry them) ---
+    # --- strides, in elements ---
     stride_am, stride_ak,
     stride_bk, stride_bn,
     stride_cm, stride_cn,
@@ -99,6 +195,7 @@ def _matmul_kernel(
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
     # --- meta: variant switches, then per-call layout ---
     TMA: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False,
@@ -107,23 +204,30 @@ def _matmul_kernel(
     A_T: tl.constexpr = False,
     B_T: tl.constexpr = False,
 ):
+    if TMA:
+        # --- tensor descriptors, once per program (a persistent one reuses them) ---
+        a, b, c = _tiles.gemm_descriptors(a, b, c, M, N, K, stride_am, stride_ak, stride_bk,
+                                          stride_bn, stride_cm, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                                          BLOCK_SIZE_K, A_T, B_T, EPILOGUE_SUBTILE)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     if PERSISTENT:
-        # --- persistent: min(SMs, tiles) programs, each striding over the tiles ---
+        # --- persistent: min(SMs, work units) programs, each striding over the units ---
         # Consecutive programs take consecutive tiles of the grouped order, so the grid as
         # a whole still sweeps one L2-sized group at a time.
-        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
-            _matmul_tile(tile_id, a, b, c, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         stride_cm, stride_cn, num_pid_m, num_pid_n,
-                         BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, EPILOGUE_SUBTILE,
-                         TMA, WARP_SPECIALIZE, UPCAST, A_T, B_T)
+        for work_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0)):
+            _matmul_tile(work_id, a, b, c, partials, counters, M, N, K,
+                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                         num_pid_m, num_pid_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
+                         GROUP_SIZE_M, EPILOGUE_SUBTILE, SPLIT_K, TMA, WARP_SPECIALIZE, UPCAST,
+                         A_T, B_T)
     else:
-        # --- one program per tile ---
-        _matmul_tile(tl.program_id(0), a, b, c, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     stride_cm, stride_cn, num_pid_m, num_pid_n,
-                     BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, EPILOGUE_SUBTILE,
-                     TMA, WARP_SPECIALIZE, UPCAST, A_T, B_T)
+        # --- one program per work unit ---
+        _matmul_tile(tl.program_id(0), a, b, c, partials, counters, M, N, K,
+                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                     num_pid_m, num_pid_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
+                     GROUP_SIZE_M, EPILOGUE_SUBTILE, SPLIT_K, TMA, WARP_SPECIALIZE, UPCAST,
+                     A_T, B_T)
 
 
 # --- host launcher --------------------------------------------------------------------------
@@ -169,14 +273,6 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> None:
             f"needs a.shape[1] == b.shape[0]")
 
 
-def _set_block_shapes(nargs: dict) -> None:
-    """Config pre-hook of the TMA path: size the host descriptors to the config's blocks."""
-    bm, bn, bk = nargs["BLOCK_SIZE_M"], nargs["BLOCK_SIZE_N"], nargs["BLOCK_SIZE_K"]
-    nargs["a"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
-    nargs["b"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
-    nargs["c"].block_shape = [bm, bn // 2] if nargs.get("EPILOGUE_SUBTILE") else [bm, bn]
-
-
 def fit_tiles(configs: list, m: int, n: int) -> list:
     """Autotune pruning: drop configs whose tiles overhang an M x N output by more than a
     64-wide tile (they only add masked-off work and tuning time); keep at least the one
@@ -186,13 +282,47 @@ def fit_tiles(configs: list, m: int, n: int) -> list:
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_SIZE_M"] * c.kwargs["BLOCK_SIZE_N"])]
 
 
-def _prune(configs: list, nargs: dict, **kwargs) -> list:
-    return fit_tiles(configs, nargs["M"], nargs["N"])
+def _cdiv(x: int, y: int) -> int:
+    return -(-x // y)  # triton.cdiv costs microseconds per call on the launch path
 
 
-def _descriptor(t: torch.Tensor, transposed: bool) -> TensorDescriptor:
-    # The block shape is a placeholder until the config's pre-hook sets it.
-    return TensorDescriptor.from_tensor(t.t() if transposed else t, [1, 1])
+def fit_split(configs: list, m: int, n: int, k: int, num_sms: int) -> list:
+    """Autotune pruning of split-K configs: keep one only where its tiles are too few to
+    occupy the SMs (tiles x SPLIT_K within 1.25 x SMs, which also bounds the workspace)
+    and each slice keeps at least four K blocks."""
+    kept = []
+    for c in configs:
+        split = c.kwargs.get("SPLIT_K", 1)
+        if split > 1:
+            tiles = _cdiv(m, c.kwargs["BLOCK_SIZE_M"]) * _cdiv(n, c.kwargs["BLOCK_SIZE_N"])
+            if tiles * split * 4 > num_sms * 5 or k < 4 * split * c.kwargs["BLOCK_SIZE_K"]:
+                continue
+        kept.append(c)
+    return kept or configs
+
+
+def candidates(configs: list, m: int, n: int, k: int, num_sms: int) -> list:
+    """The configs the autotuner may pick for an M x N x K problem (all of them when there
+    is one: Triton prunes only lists of two or more)."""
+    if len(configs) < 2:
+        return configs
+    return fit_split(fit_tiles(configs, m, n), m, n, k, num_sms)
+
+
+def _prune(configs: list, nargs: dict, num_sms: int, **kwargs) -> list:
+    return candidates(configs, nargs["M"], nargs["N"], nargs["K"], num_sms)
+
+
+def _split_workspace(configs: list, m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
+    """``(slices, tiles)`` the split-K workspace needs for any config the autotuner may
+    pick for this problem; ``(0, 0)`` when none of them splits."""
+    slices = tiles = 0
+    for c in candidates(configs, m, n, k, num_sms):
+        split = c.kwargs.get("SPLIT_K", 1)
+        if split > 1:
+            slices = max(slices, split)
+            tiles = max(tiles, _cdiv(m, c.kwargs["BLOCK_SIZE_M"]) * _cdiv(n, c.kwargs["BLOCK_SIZE_N"]))
+    return slices, tiles
 
 
 def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -212,25 +342,35 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     num_sms = plan.device.num_sms
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_SIZE_M"]) * triton.cdiv(N, meta["BLOCK_SIZE_N"])
-        return (min(tiles, num_sms) if persistent else tiles,)
+        bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
+        units = _cdiv(M, bm) * _cdiv(N, bn) * meta.get("SPLIT_K", 1)
+        return (min(units, num_sms) if persistent else units,)
 
-    if switches.get("TMA", False):
-        a_t, b_t = _host.tma_layout(a) == "col", _host.tma_layout(b) == "col"
-        kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"],
-                                config_pre_hook=_set_block_shapes,
-                                prune_configs_by={"early_config_prune": _prune})
-        operands = (_descriptor(a, a_t), _descriptor(b, b_t), _descriptor(out, False))
+    kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"],
+                            prune_configs_by={"early_config_prune": functools.partial(_prune, num_sms=num_sms)})
+    tma = switches.get("TMA", False)
+    # Column-major operands are described through their transposes (descriptor path).
+    a_t = tma and a.stride(0) == 1 and a.stride(1) != 1
+    b_t = tma and b.stride(0) == 1 and b.stride(1) != 1
+
+    # --- split-K workspace, when a config the autotuner may pick splits K ---
+    slices, tiles = plan.cached(("matmul.split_k", M, N, K),
+                                lambda: _split_workspace(plan.configs, M, N, K, num_sms))
+    if slices:
+        partials = torch.empty((slices, M, N), dtype=torch.float32, device=a.device)
+        counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
     else:
-        a_t = b_t = False
-        kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"],
-                                prune_configs_by={"early_config_prune": _prune})
-        operands = (a, b, out)
-    kernel[grid](
-        *operands, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        A_T=a_t, B_T=b_t, **switches,
-    )
+        # Never read; real tensors of the same dtypes, so that the kernels compiled for
+        # these calls are the ones split-capable problems use for their unsplit configs.
+        partials, counters = plan.cached(("matmul.split_k", a.device), lambda: (
+            torch.empty(1, dtype=torch.float32, device=a.device),
+            torch.zeros(1, dtype=torch.int32, device=a.device)))
+    with _host.scratch_allocator(a.device) if tma else contextlib.nullcontext():
+        kernel[grid](
+            a, b, out, partials, counters, M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            A_T=a_t, B_T=b_t, **switches,
+        )
     return out
 
 

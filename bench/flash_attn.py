@@ -1,0 +1,271 @@
+"""flash_attn throughput on an NVIDIA GPU: our variants against torch SDPA in the same run.
+
+Rows: B=4, H=32, N in {1024, 4096} and B=1, H=32, N=16384; D in {64, 128}; causal and not;
+fp16 and bf16; fresh ``torch.randn`` inputs per row. Columns, forward and backward:
+
+- ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` under
+  ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``, the baseline of the ratios;
+- ``flash``: the same under ``SDPBackend.FLASH_ATTENTION`` (FlashAttention-2);
+- ``hopper``: our ``nvidia.hopper`` variant, forced (descriptor loads, warp-specialized or
+  pipelined K/V loop, autotuned; its backward is the generic kernels);
+- ``generic``: our ``generic`` variant, forced (pointer loads, one config per row size).
+
+Each of ours is checked against SDPA (flash, else cuDNN) before it is timed, output and the
+three gradients, with the library's "attention" tolerance (its absolute part scaled by the
+gradients' magnitude for those); a wrong result is reported and not timed. Times are the median of
+``triton.testing.do_bench``. The forward counts ``4·B·H·N²·D`` FLOPs (half when causal),
+the backward 2.5 times that; the backward is timed alone, as
+``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` after one forward. The
+first call of each shape compiles and autotunes our kernels; results persist in the
+library's tuning cache (``PK_CACHE_DIR``). The autotuner's timing of every candidate is kept
+in the JSON (``tuning``), which says what warp specialization is worth on this GPU.
+
+    python bench/flash_attn.py [--quick] [--out PREFIX] [--dtypes fp16,bf16]
+
+Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (an interrupted run keeps what it
+measured). Needs an NVIDIA GPU; on a CPU-only machine it exits with a message.
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from portable_kernels.kernels import flash_attn as fa
+from portable_kernels.testing import Tolerance, tolerance
+
+SHAPES = [(4, 32, 1024), (4, 32, 4096), (1, 32, 16384)]   # (B, H, N)
+QUICK = [(4, 32, 4096, 64, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, True)]
+DIMS = (64, 128)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+OURS = {"hopper": "nvidia.hopper", "generic": "generic"}
+SDPA = ("cudnn", "flash")
+METHODS = SDPA + tuple(OURS)
+PASSES = ("fwd", "bwd")
+DEVICE = "cuda"
+
+
+def rows(quick: bool) -> list[tuple[int, int, int, int, bool]]:
+    if quick:
+        return QUICK
+    return [(b, h, n, d, causal) for b, h, n in SHAPES for d in DIMS for causal in (False, True)]
+
+
+def sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def ours(variant: str, q, k, v, causal):
+    """Our variant's launcher on a plan built once (dispatch is not what is measured)."""
+    with pk.use_variant(flash_attn=variant):
+        plan = pk.get_kernel("flash_attn").plan(q, k, v, causal=causal)
+
+    def run(q, k, v, causal):
+        return fa.launch(plan, q, k, v, causal=causal)
+
+    return run, plan
+
+
+def tuning_record(plan, timings_before) -> dict:
+    """The hopper forward's chosen config and, when this row tuned it (not the tuning
+    cache), every candidate's median time (ms)."""
+    tuner = fa._autotuned_forward(plan)
+    best = getattr(tuner, "best_config", None)
+    timings = getattr(tuner, "configs_timings", None)
+    fresh = timings is not None and timings is not timings_before
+    return {"best": "" if best is None else str(best),
+            "candidates": [{"config": str(c), "ws": bool(c.kwargs.get("WARP_SPECIALIZE")),
+                            "ms": t[0] if isinstance(t, (list, tuple)) else t}
+                           for c, t in (timings.items() if fresh else ())]}
+
+
+def ws_summary(tuning: dict) -> str:
+    """Best warp-specialized vs best pipelined candidate of one tuning, or ''."""
+    best = {ws: min((c["ms"] for c in tuning.get("candidates", ()) if c["ws"] == ws), default=None)
+            for ws in (True, False)}
+    if None in best.values():
+        return ""
+    return f"warp-specialized {best[True]:.3f} ms, pipelined {best[False]:.3f} ms"
+
+
+def _grad_tol(tol: Tolerance, ref: torch.Tensor) -> Tolerance:
+    return Tolerance(tol.atol * max(1.0, float(ref.abs().max())), tol.rtol)
+
+
+def _max_error(x: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[float, float]:
+    """testing.max_error's (max abs error, worst error / allowed) computed on the GPU in
+    fp32: these tensors have up to 67M elements, too many to copy to the host per row."""
+    x, ref = x.detach().float(), ref.detach().float()
+    err = torch.nan_to_num((x - ref).abs(), nan=float("inf"))
+    allowed = tol.atol + tol.rtol * ref.abs()
+    return float(err.max()), float((err / allowed).max())
+
+
+def check(out, grads, ref_out, ref_grads, dtype) -> str:
+    """'' when ``out`` and ``grads`` match the reference, else what is wrong."""
+    tol = tolerance(dtype, "attention")
+    for name, x, r, t in [("out", out, ref_out, tol)] + [
+            (f"d{n}", g, rg, _grad_tol(tol, rg)) for n, g, rg in zip("qkv", grads, ref_grads)]:
+        err, ratio = _max_error(x, r, t)
+        if not ratio <= 1.0:
+            return f"WRONG {name}: max abs error {err:.3g} ({ratio:.3g}x {t})"
+    return ""
+
+
+def bench_row(b, h, n, d, causal, dtype) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    q, k, v = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device=DEVICE, dtype=dtype)
+    flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
+    row = {"B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": str(dtype).replace("torch.", ""),
+           "tflops": {p: {} for p in PASSES}, "ms": {p: {} for p in PASSES}, "error": {}, "tuning": {}}
+    fns = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    plans = {}
+    for name, variant in OURS.items():
+        try:
+            fns[name], plans[name] = ours(variant, q, k, v, causal)
+        except Exception as exc:  # e.g. the variant cannot run on this GPU
+            row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+    ref = None
+    for name in METHODS:  # SDPA first: the reference for ours
+        if name not in fns:
+            continue
+        fn = fns[name]
+        if name == "hopper":
+            timings_before = getattr(fa._autotuned_forward(plans[name]), "configs_timings", None)
+        try:
+            out = fn(q, k, v, causal)  # also compiles and autotunes ours
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        if name in SDPA:
+            if ref is None or name == "flash":
+                ref = (out.detach(), [g.detach() for g in grads])
+        elif ref is None:
+            row["error"][name] = "not checked: no SDPA backend ran"
+            continue
+        else:
+            wrong = check(out, grads, *ref, dtype)
+            if wrong:
+                row["error"][name] = wrong
+                continue
+        if name == "hopper":
+            row["tuning"] = tuning_record(plans[name], timings_before)
+        del out, grads
+        ms_fwd = triton.testing.do_bench(lambda: fn(q, k, v, causal), return_mode="median")
+        out = fn(q, k, v, causal)
+        ms_bwd = triton.testing.do_bench(
+            lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), return_mode="median")
+        del out
+        for p, ms, f in (("fwd", ms_fwd, flops), ("bwd", ms_bwd, 2.5 * flops)):
+            row["ms"][p][name] = ms
+            row["tflops"][p][name] = f / (ms * 1e-3) / 1e12
+    return row
+
+
+def ratio(row: dict, p: str, name: str) -> float | None:
+    t, base = row["tflops"][p].get(name), row["tflops"][p].get("cudnn")
+    return None if t is None or not base else t / base
+
+
+def cell(row: dict, p: str, name: str) -> str:
+    if name in row["tflops"][p]:
+        q = ratio(row, p, name)
+        return f"{row['tflops'][p][name]:.0f}" + ("" if name == "cudnn" or q is None else f" ({q:.2f})")
+    if name in row["error"]:
+        return "WRONG" if row["error"][name].startswith("WRONG") else "error"
+    return "n/a"
+
+
+def markdown(rows_: list[dict], header: str) -> str:
+    lines = [header, "", "TFLOP/s (ratio to cuDNN SDPA); backward counted as 2.5x the forward's FLOPs", ""]
+    for p, title in (("fwd", "Forward"), ("bwd", "Backward")):
+        lines += [f"### {title}", "", "| B | H | N | D | causal | dtype | " + " | ".join(METHODS) + " |",
+                  "|---:|---:|---:|---:|:---|:---|" + "---:|" * len(METHODS)]
+        for r in rows_:
+            lines.append(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {'yes' if r['causal'] else 'no'} | "
+                         f"{r['dtype']} | " + " | ".join(cell(r, p, m) for m in METHODS) + " |")
+        lines.append("")
+    errors = [(r, n, e) for r in rows_ for n, e in r["error"].items()]
+    if errors:
+        lines += ["Errors:", ""] + [f"- {_label(r)} {n}: {e}" for r, n, e in errors] + [""]
+    tuned = [r for r in rows_ if r["tuning"].get("best")]
+    if tuned:
+        lines += ["hopper forward, autotuned config (and the best of each loop shape when this "
+                  "run tuned it):", ""]
+        for r in tuned:
+            ws = ws_summary(r["tuning"])
+            lines.append(f"- {_label(r)}: `{r['tuning']['best']}`" + (f"; {ws}" if ws else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _label(r: dict) -> str:
+    return f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {'causal' if r['causal'] else 'full'} {r['dtype']}"
+
+
+def write(prefix: Path, rows_: list[dict], meta: dict, header: str) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows_}, indent=1))
+    prefix.with_suffix(".md").write_text(markdown(rows_, header))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only (B, H, N, D, causal) in {QUICK}")
+    parser.add_argument("--out", default="flash-attn-bench", help="path prefix of the .json/.md")
+    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available() or torch.version.hip:
+        sys.exit("bench/flash_attn.py measures NVIDIA GPUs (against cuDNN and FlashAttention "
+                 "SDPA); no CUDA GPU here. On the CPU interpreter every launch costs "
+                 "milliseconds, so there is nothing to compare; run the tests instead "
+                 "(python -m pytest tests/test_flash_attn.py tests/test_flash_attn_hopper.py).")
+    info = pk.device_info(DEVICE)
+    if "interpreter" in info.capabilities:
+        sys.exit("bench/flash_attn.py: kernels run under Triton's interpreter in this process "
+                 "(TRITON_INTERPRET/PK_INTERPRET is set); unset it to benchmark compiled kernels")
+    dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
+    prefix = Path(args.out)
+    header = (f"flash_attn on {info.name} ({info.arch}, {info.num_sms} SMs) · torch {torch.__version__} · "
+              f"triton {triton.__version__} · median of do_bench")
+    meta = {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__}
+    print(header)
+    print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'dtype':>9} "
+          + " ".join(f"{p}:{m:>8}" for p in PASSES for m in METHODS))
+    out, start = [], time.time()
+    for dtype in dtypes:
+        for b, h, n, d, causal in rows(args.quick):
+            row = bench_row(b, h, n, d, causal, dtype)
+            out.append(row)
+            cells = [f"{cell(row, p, m):>13}" for p in PASSES for m in METHODS]
+            print(f"{b:2d} {h:3d} {n:6d} {d:4d} {str(causal):>6} {row['dtype']:>9} " + " ".join(cells),
+                  flush=True)
+            write(prefix, out, {**meta, "elapsed_s": time.time() - start}, header)
+            torch.cuda.empty_cache()
+    for r in out:
+        for name, e in r["error"].items():
+            print(f"{_label(r)} {name}: {e}")
+    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} "
+          f"in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""flash_attn's ``nvidia.hopper`` variant: the descriptor (TMA) path and its warp-specialized
+loop, forced, forward and backward against torch SDPA in float64; what it rejects and why.
+
+On the CPU the interpreter runs the same kernel (it executes device-side tensor descriptors,
+zero-pads ragged tiles like the copy engine, and ignores the loop's warp-specialization
+option), one config of 64-wide tiles. On an sm_90 GPU every tuned config is checked on its
+own, then the autotuned path once. Shapes stay small: the interpreter pays about 4 ms per
+key-block step.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+import portable_kernels as pk
+from conftest import DEVICE
+from portable_kernels.errors import VariantUnavailableError
+from portable_kernels.kernels import flash_attn as fa
+from portable_kernels.launch import LaunchPlan
+from portable_kernels.testing import Tolerance, assert_close, tolerance
+
+NAME = "flash_attn"
+HOPPER = "nvidia.hopper"
+
+
+def _skip_unless_hopper_runs(device) -> None:
+    if HOPPER not in pk.list_variants(NAME, device):
+        verdict = next(v for v in pk.explain(NAME, device=device).verdicts if v.name == HOPPER)
+        pytest.skip(f"{HOPPER}: {verdict.reason}")
+
+
+def _inputs(b, h, h_kv, n_q, n_k, d, dtype, device, gen, layout="bhnd"):
+    """Leaf tensors and their (B, H, N, D) views (``bnhd``: (B, N, H, D) storage)."""
+    leaves, views = [], []
+    for heads, n in ((h, n_q), (h_kv, n_k), (h_kv, n_k)):
+        if layout == "bnhd":
+            leaf = torch.randn(b, n, heads, d, generator=gen).to(dtype).to(device).requires_grad_()
+            view = leaf.transpose(1, 2)
+        else:
+            leaf = torch.randn(b, heads, n, d, generator=gen).to(dtype).to(device).requires_grad_()
+            view = leaf
+        leaves.append(leaf)
+        views.append(view)
+    return leaves, views
+
+
+def _grad_tolerance(tol: Tolerance, ref: torch.Tensor) -> Tolerance:
+    # Gradients are sums over a sequence, so the table's absolute part scales with them.
+    return Tolerance(tol.atol * max(1.0, float(ref.abs().max())), tol.rtol)
+
+
+def _check(run, dims, causal, dtype, device, gen, layout="bhnd", what=""):
+    """``run(q, k, v, causal)`` against SDPA in float64, forward and backward."""
+    leaves, views = _inputs(*dims, dtype, device, gen, layout)
+    out = run(*views, causal)
+    assert out.shape == views[0].shape and out.dtype == dtype
+    leaves64 = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    views64 = [x.transpose(1, 2) if layout == "bnhd" else x for x in leaves64]
+    ref = fa.reference(*views64, causal=causal)
+    tol = tolerance(dtype, "attention")
+    what = f"{what} {dims} causal={causal} {dtype}"
+    assert_close(out, ref, tol, f"{what} out")
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    out.backward(grad.to(device))
+    ref.backward(grad.double())
+    for name, x, x64 in zip("qkv", leaves, leaves64):
+        assert_close(x.grad, x64.grad, _grad_tolerance(tol, x64.grad), f"{what} d{name}")
+
+
+def _forced(q, k, v, causal):
+    with pk.use_variant(**{NAME: HOPPER}):
+        return pk.get_kernel(NAME)(q, k, v, causal=causal)
+
+
+# --- forced through dispatch: the shapes the variant takes -----------------------------------
+
+# (B, H, H_kv, Nq, Nk, D): ragged Nq and Nk (descriptors zero-pad the last tiles), GQA and
+# MQA, Nq < Nk and Nq > Nk under causal.
+SHAPES = [
+    (1, 2, 2, 100, 130, 64),
+    (2, 4, 2, 70, 150, 64),
+    (1, 2, 1, 150, 70, 128),
+    (1, 2, 1, 65, 200, 128),
+]
+
+
+@pytest.mark.parametrize("dims", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forced_matches_sdpa_fp16(dims, causal, device, gen):
+    _skip_unless_hopper_runs(device)
+    _check(_forced, dims, causal, torch.float16, device, gen)
+
+
+@pytest.mark.parametrize("dims, causal", [((1, 4, 2, 100, 130, 128), True),
+                                          ((2, 2, 1, 113, 77, 64), False)], ids=str)
+def test_forced_matches_sdpa_bf16(dims, causal, device, gen):
+    _skip_unless_hopper_runs(device)
+    if not pk.device_info(device).has("bf16"):
+        pytest.skip(f"{pk.device_info(device).name} has no bf16")
+    _check(_forced, dims, causal, torch.bfloat16, device, gen)
+
+
+def test_forced_on_strided_views(device, gen):
+    """(B, N, H, D) storage viewed as (B, H, N, D): 16-byte aligned strides, so the
+    descriptors take it without a copy."""
+    _skip_unless_hopper_runs(device)
+    _check(_forced, (1, 4, 2, 90, 120, 64), True, torch.float16, device, gen, layout="bnhd")
+
+
+def test_autotuned_sequence_bucket(device, gen):
+    """Long enough (bucket 1024) that a GPU autotunes among the row class's configs."""
+    _skip_unless_hopper_runs(device)
+    _check(_forced, (1, 2, 1, 600, 530, 64), True, torch.float16, device, gen)
+
+
+def test_lse_matches(device, gen):
+    _skip_unless_hopper_runs(device)
+    q = torch.randn(1, 2, 70, 64, generator=gen).half().to(device)
+    k = torch.randn(1, 2, 90, 64, generator=gen).half().to(device)
+    v = torch.randn(1, 2, 90, 64, generator=gen).half().to(device)
+    with pk.use_variant(**{NAME: HOPPER}):
+        plan = pk.get_kernel(NAME).plan(q, k, v)
+    assert plan.variant.name == HOPPER
+    _, lse = fa._forward(plan, q, k, v, True, 0.25)
+    scores = 0.25 * q.cpu().double() @ k.cpu().double().transpose(-1, -2)
+    hidden = torch.ones(70, 90, dtype=torch.bool).triu(1)
+    expect = torch.logsumexp(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    assert_close(lse, expect, tolerance(torch.float16, "attention"))
+
+
+def test_empty_sequences(device):
+    _skip_unless_hopper_runs(device)
+    q = torch.randn(1, 2, 5, 64, device=device, dtype=torch.float16, requires_grad=True)
+    kv = torch.randn(1, 2, 0, 64, device=device, dtype=torch.float16, requires_grad=True)
+    out = _forced(q, kv, kv, False)
+    assert not out.any()
+    out.float().sum().backward()
+    assert not q.grad.any()
+    q0 = torch.randn(1, 2, 0, 64, device=device, dtype=torch.float16)
+    assert _forced(q0, q, q, True).shape == (1, 2, 0, 64)
+
+
+# --- every config of the device's table, and both loop shapes --------------------------------
+
+def _hopper_plan(device) -> LaunchPlan:
+    x = torch.zeros(1, 1, 16, 64, dtype=torch.float16, device=device)
+    with pk.use_variant(**{NAME: HOPPER}):
+        return pk.get_kernel(NAME).plan(x, x, x)
+
+
+def _single(plan: LaunchPlan, cfg: triton.Config) -> LaunchPlan:
+    return LaunchPlan(plan.variant, plan.device, [cfg], plan.switches)
+
+
+def _table_cases(device):
+    """(config, head dim) for every config the device's plan has; on the interpreter also
+    each config with the other loop shape (a config may set WARP_SPECIALIZE)."""
+    if HOPPER not in pk.list_variants(NAME, device):
+        return []
+    plan = _hopper_plan(device)
+    cases = []
+    for cfg in plan.configs:
+        # The largest head dim of the config's row class (fp16: 2 bytes per element).
+        d = 128 if cfg.kwargs.get("ROW_BYTES_MAX", math.inf) >= 256 else 64
+        ws = cfg.kwargs.get("WARP_SPECIALIZE", plan.switches["WARP_SPECIALIZE"])
+        shapes = (ws, not ws) if "interpreter" in plan.device.capabilities else (ws,)
+        cases += [(triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": w}, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages), d) for w in shapes]
+    return cases
+
+
+def _case_id(case) -> str:
+    cfg, d = case
+    return (f"D{d}-{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}-w{cfg.num_warps}"
+            f"-s{cfg.num_stages}-{'ws' if cfg.kwargs['WARP_SPECIALIZE'] else 'pipelined'}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", _table_cases(DEVICE), ids=_case_id)
+def test_every_config_is_correct(case, causal, device, gen):
+    """The autotuner picks by speed alone: each config must be right on its own."""
+    _skip_unless_hopper_runs(device)
+    cfg, d = case
+    plan = _single(_hopper_plan(device), cfg)
+    run = lambda q, k, v, c: fa.launch(plan, q, k, v, causal=c)  # noqa: E731
+    _check(run, (1, 2, 1, 200, 150, d), causal, torch.float16, device, gen, what=_case_id(case))
+
+
+COMBOS = [{"DEFERRED": True, "TRANSPOSED": True}, {"HEAD_SPLIT": 2, "DEFERRED": True},
+          {"TRANSPOSED": True, "HEAD_SPLIT": 2}]
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["pipelined", "ws"])
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "+".join(sorted(c)))
+def test_descriptor_path_composes_with_other_switches(combo, ws, device, gen):
+    """TMA with the Iluvatar variants' switches (no variant uses these combinations) and a
+    padded head dim (48 -> 64: the copy engine zero-fills the missing columns)."""
+    _skip_unless_hopper_runs(device)
+    plan = _hopper_plan(device)
+    if ws and combo.get("TRANSPOSED") and combo.get("HEAD_SPLIT") == 2 \
+            and "interpreter" not in plan.device.capabilities:
+        pytest.skip("triton 3.6 fails to compile a warp-specialized loop with the transposed "
+                    "view and a head-dim split for sm_90")
+    cfg = plan.configs[0]
+    cfg = triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": ws}, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+    plan = LaunchPlan(plan.variant, plan.device, [cfg], {**plan.switches, **combo})
+    q = torch.randn(1, 2, 77, 48, generator=gen).half().to(device)
+    k = torch.randn(1, 1, 90, 48, generator=gen).half().to(device)
+    v = torch.randn(1, 1, 90, 48, generator=gen).half().to(device)
+    out = fa.launch(plan, q, k, v, causal=True)
+    assert_close(out, fa.reference(q.cpu(), k.cpu(), v.cpu(), causal=True),
+                 tolerance(torch.float16, "attention"))
+
+
+# --- what it rejects: explained, never silently run ------------------------------------------
+
+def _rejections():
+    h = lambda *s, dtype=torch.float16: torch.zeros(*s, dtype=dtype)  # noqa: E731
+    unaligned = h(1, 2, 64, 68)[..., :64]                           # rows 136 bytes apart
+    not_unit = h(1, 2, 64, 128)[..., ::2]                           # stride(-1) == 2
+    return {
+        "fp32": ((h(1, 2, 64, 64, dtype=torch.float32),) * 3, "float32 inputs stay on pointer"),
+        "D=80": ((h(1, 2, 64, 80),) * 3, "head dim 80"),
+        "D=256": ((h(1, 2, 64, 256),) * 3, "head dim 256"),
+        "unaligned rows": ((unaligned, unaligned, unaligned), "not multiples of 16 bytes"),
+        "unaligned k": ((h(1, 2, 64, 64), unaligned, unaligned), "k's base address"),
+        "head dim not contiguous": ((not_unit,) * 3, "stride(-1) != 1"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_rejections()))
+def test_unsupported_problems_fall_back_with_a_reason(name):
+    args, reason = _rejections()[name]
+    with pk.emulate("h200"):
+        sel = pk.explain(NAME, *args)
+    assert sel.variant == "generic"
+    verdict = next(v for v in sel.verdicts if v.name == HOPPER)
+    assert not verdict.runnable and reason in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("name", list(_rejections()))
+def test_forcing_an_unsupported_problem_raises(name):
+    args, reason = _rejections()[name]
+    with pk.use_variant(**{NAME: HOPPER}):
+        with pytest.raises(VariantUnavailableError, match="cannot run"):
+            pk.get_kernel(NAME)(*args)
+
+
+def test_chosen_on_hopper_and_nowhere_else():
+    x = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    for profile in ("h100", "h200"):
+        with pk.emulate(profile):
+            assert pk.explain(NAME, x, x, x).variant == HOPPER
+    with pk.emulate("a100"):
+        sel = pk.explain(NAME, x, x, x)
+    assert sel.variant == "generic"
+    assert "requires tensor_descriptor, warp_specialize" in next(
+        v.reason for v in sel.verdicts if v.name == HOPPER)
+    cpu = next(v for v in pk.explain(NAME, x, x, x).verdicts if v.name == HOPPER)
+    assert cpu.priority < 0  # runnable on the interpreter when forced, never chosen there
+
+
+# --- the tuning table and the autotuner's candidates -----------------------------------------
+
+def test_sm90_table_is_consistent():
+    """Warp specialization only with 4 warps (8 leave it off in triton 3.6); each row class
+    leads with the generic table's backward settings for that row."""
+    from portable_kernels_backends.nvidia import tuning
+
+    h200 = pk.plugins.host().emulation_profile("h200")
+    configs = tuning.flash_attn_hopper(h200)
+    generic = tuning._flash_attn(h200)
+    bwd = ("BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS", "BWD_NUM_STAGES")
+    for cfg in configs:
+        assert cfg.kwargs["BLOCK_M"] == 128 and cfg.kwargs["BLOCK_N"] in (64, 128)
+        assert 2 <= cfg.num_stages <= 4
+        assert not cfg.kwargs["WARP_SPECIALIZE"] or cfg.num_warps == 4
+    for row in (128, 256):
+        first = next(c for c in configs if c.kwargs["ROW_BYTES_MAX"] >= row)
+        assert first.kwargs["ROW_BYTES_MAX"] == row
+        ours = {k: first.kwargs[k] for k in bwd}
+        theirs = next(c for c in generic if c.kwargs.get("ROW_BYTES_MAX", math.inf) >= row)
+        assert ours == {k: theirs.kwargs[k] for k in bwd}
+
+
+def test_candidates_are_the_tightest_row_class():
+    c = [triton.Config({"BLOCK_M": 128, "BLOCK_N": n}, num_warps=w) for n, w in
+         ((128, 4), (64, 4), (64, 8), (128, 8))]
+    classes = {c[0]: {128}, c[1]: {128, 256}, c[2]: {256}, c[3]: {512}}
+    assert fa._candidates(c, classes, 128, 4096) == [c[0], c[1]]
+    assert fa._candidates(c, classes, 256, 4096) == [c[1], c[2]]
+    assert fa._candidates(c, classes, 512, 4096) == [c[3]]
+    assert fa._candidates(c, classes, 1024, 4096) == [c[3]]        # none fits: the last
+    assert fa._candidates(c, classes, 128, 256) == [c[0]]          # short: the first, untuned
+    assert fa._candidates(c, {}, 128, 4096) == c                   # no ROW_BYTES_MAX: all fit
