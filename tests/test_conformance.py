@@ -342,15 +342,16 @@ def test_expected_failure_patterns():
     assert not e.matches("matmul/iluvatar.v2/bfloat16/a/forward")
 
 
-def test_expected_failures_hook(fresh_host, monkeypatch):
+def test_expected_failures_hook(fresh_host, monkeypatch, device):
     class Plugin:
         @pk.hookimpl
         def pk_expected_failures(self, device):
             return [("softmax/*", f"broken on {device.vendor}")]
 
     fresh_host(Plugin())
-    (entry,) = harness.expected_failures(pk.device_info("cpu"))
-    assert entry == testing.ExpectedFailure("softmax/*", "broken on cpu")
+    info = pk.device_info(device)
+    (entry,) = harness.expected_failures(info)
+    assert entry == testing.ExpectedFailure("softmax/*", f"broken on {info.vendor}")
 
     class Bad:
         @pk.hookimpl
@@ -359,7 +360,7 @@ def test_expected_failures_hook(fresh_host, monkeypatch):
 
     fresh_host(Bad())
     with pytest.raises(pk.PluginError, match="expected ExpectedFailure"):
-        harness.expected_failures(pk.device_info("cpu"))
+        harness.expected_failures(pk.device_info(device))
 
 
 def test_cell_status_precedence():

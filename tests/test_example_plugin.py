@@ -19,6 +19,8 @@ import pytest
 
 from portable_kernels.conformance import report
 
+from conftest import DEVICE
+
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "acme-backend"
 VARIANT = "acme.vector_add_wide"
 
@@ -49,7 +51,7 @@ def run(env: dict, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_info_lists_the_plugin(acme_env):
-    proc = run(acme_env, "info", "--device", "cpu", "--json")
+    proc = run(acme_env, "info", "--device", str(DEVICE), "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     plugins = {p["name"]: p["source"] for p in info["plugins"]}
@@ -57,12 +59,12 @@ def test_info_lists_the_plugin(acme_env):
     assert not [f for f in info["failed_plugins"] if f["plugin"] == "acme"]
     vector_add = next(k for k in info["kernels"] if k["kernel"] == "vector_add")
     assert VARIANT in vector_add["runnable"] and vector_add["variant"] != VARIANT  # not preferred here
-    proc = run(acme_env, "info", "--device", "cpu")
+    proc = run(acme_env, "info", "--device", str(DEVICE))
     assert proc.returncode == 0 and "acme" in proc.stdout
 
 
 def test_selected_on_its_own_hardware(acme_env):
-    proc = run(dict(acme_env, PK_EMULATE="acme1"), "explain", "vector_add", "--device", "cpu", "--json")
+    proc = run(dict(acme_env, PK_EMULATE="acme1"), "explain", "vector_add", "--device", str(DEVICE), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["variant"] == VARIANT
 

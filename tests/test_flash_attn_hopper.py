@@ -219,7 +219,8 @@ def test_descriptor_path_composes_with_other_switches(combo, ws, device, gen):
 # --- what it rejects: explained, never silently run ------------------------------------------
 
 def _rejections():
-    h = lambda *s, dtype=torch.float16: torch.zeros(*s, dtype=dtype)  # noqa: E731
+    # Selection only: the inputs are never computed on (forcing raises before any launch).
+    h = lambda *s, dtype=torch.float16: torch.zeros(*s, dtype=dtype, device=DEVICE)  # noqa: E731
     unaligned = h(1, 2, 64, 68)[..., :64]                           # rows 136 bytes apart
     not_unit = h(1, 2, 64, 128)[..., ::2]                           # stride(-1) == 2
     return {
@@ -251,7 +252,7 @@ def test_forcing_an_unsupported_problem_raises(name):
 
 
 def test_chosen_on_hopper_and_nowhere_else():
-    x = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    x = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16, device=DEVICE)
     for profile in ("h100", "h200"):
         with pk.emulate(profile):
             assert pk.explain(NAME, x, x, x).variant == HOPPER
@@ -260,8 +261,11 @@ def test_chosen_on_hopper_and_nowhere_else():
     assert sel.variant == "generic"
     assert "requires tensor_descriptor, warp_specialize" in next(
         v.reason for v in sel.verdicts if v.name == HOPPER)
-    cpu = next(v for v in pk.explain(NAME, x, x, x).verdicts if v.name == HOPPER)
-    assert cpu.priority < 0  # runnable on the interpreter when forced, never chosen there
+    here = next(v for v in pk.explain(NAME, x, x, x).verdicts if v.name == HOPPER)
+    if DEVICE.type == "cpu":
+        assert here.priority < 0  # runnable on the interpreter when forced, never chosen there
+    else:
+        assert here.priority == (100 if pk.device_info(DEVICE).has("wgmma") else -10)
 
 
 # --- the tuning table and the autotuner's candidates -----------------------------------------

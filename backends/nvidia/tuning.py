@@ -136,14 +136,15 @@ def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
         return triton.Config({**c.kwargs, "WARP_SPECIALIZE": ws}, num_warps=warps, num_stages=stages)
 
     d64, d128 = (64, 128, 8, 2), (32, 128, 8, 2)  # backward: as _flash_attn's first two
+    # The ws=True configs (one loop split into a TMA producer and two consumer warpgroups,
+    # num_warps=4) compiled cleanly but computed wrong outputs (inf, errors of 0.5) on the
+    # H200 with triton 3.6 on 2026-11-29, while the pipelined ones were right; they stay out
+    # of the list until that is understood. The switch and its loop remain, tested under
+    # the interpreter.
     return [
-        cfg(128, 4, 2, True, d64, 128),    # D=64: 99 KB
-        cfg(64, 4, 3, True, d64, 128),     #        82 KB
-        cfg(128, 8, 2, False, d64, 128),   #        83 KB, 166 registers
+        cfg(128, 8, 2, False, d64, 128),   # D=64:  83 KB, 166 registers
         cfg(64, 4, 3, False, d64, 128),    #        67 KB, 195 registers
-        cfg(64, 4, 3, True, d128, 256),    # D=128: 164 KB
-        cfg(128, 4, 2, True, d128, 256),   #        197 KB
-        cfg(64, 8, 3, False, d128, 256),   #        132 KB, 150 registers
+        cfg(64, 8, 3, False, d128, 256),   # D=128: 132 KB, 150 registers
         cfg(128, 8, 2, False, d128, 256),  #        165 KB, 203 registers
     ]
 

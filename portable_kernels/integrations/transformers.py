@@ -84,10 +84,18 @@ def fallback_reason(module: torch.nn.Module | None, query: torch.Tensor, key: to
     return None
 
 
-def _sdpa():
-    from transformers import AttentionInterface
+_SDPA = None
 
-    return AttentionInterface._global_mapping["sdpa"]
+
+def _sdpa():
+    # Looked up by register(), outside any traced region: under torch.compile, dynamo cannot
+    # trace the import of transformers' lazy module (seen with transformers 5.17).
+    global _SDPA
+    if _SDPA is None:
+        from transformers import AttentionInterface
+
+        _SDPA = AttentionInterface._global_mapping["sdpa"]
+    return _SDPA
 
 
 def _log_fallback(reason: str) -> None:
@@ -152,6 +160,7 @@ def register(name: str = NAME) -> str:
             "(AttentionInterface and AttentionMaskInterface): "
             "pip install 'portable-kernels[transformers]'") from exc
     AttentionInterface.register(name, attention_forward)
+    _sdpa()  # resolve the fallback now, outside any torch.compile trace
     # SDPA's masks mean what this function expects: None whenever causal (or no) masking
     # says everything, so prefill and decoding reach the kernel.
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
