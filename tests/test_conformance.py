@@ -39,14 +39,14 @@ FAKE_PLUGIN = textwrap.dedent('''
 
     @hookimpl
     def pk_register_variants(registry):
-        from portable_kernels.kernels import vector_add  # inside the hook, as plugins must
+        from portable_kernels.kernels import _host, vector_add  # inside the hook, as plugins must
 
         add = registry.add_variant
         add(Variant("vector_add", "fake.wrong", wrong, priority=-100))
         add(Variant("vector_add", "fake.unwritten", unwritten, priority=-100))
         add(Variant("vector_add", "fake.fp8", vector_add.launch, requires={"fp8", "wgmma"}, priority=-100))
         add(Variant("vector_add", "fake.known_bad", wrong, priority=-100))
-        add(Variant("vector_add", "fake.fixed", vector_add.launch, configs=vector_add.default_configs,
+        add(Variant("vector_add", "fake.fixed", vector_add.launch, configs=_host.elementwise_configs,
                     priority=-100))
 
 

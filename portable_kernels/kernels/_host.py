@@ -141,3 +141,20 @@ def scratch_allocator(device: torch.device) -> Iterator[None]:
         yield
     finally:
         _allocation._allocator.reset(token)
+
+
+# --- shared by the 1-D elementwise families (vector_add, asin, dropout) ---------------------
+
+def elementwise_launch(plan: Any, n: int) -> tuple[tuple[int], dict]:
+    """The grid and launch keywords of a 1-D elementwise kernel over ``n`` elements: one
+    program per ``BLOCK_SIZE`` block (from the plan's config), plus the plan's switches."""
+    cfg = plan.config
+    block = cfg.kwargs["BLOCK_SIZE"]
+    return ((n + block - 1) // block,), {"BLOCK_SIZE": block, "num_warps": cfg.num_warps, **plan.switches}
+
+
+def elementwise_configs(device: Any) -> list:
+    """Default configs of the 1-D elementwise families (backends' tables override them)."""
+    import triton
+
+    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]

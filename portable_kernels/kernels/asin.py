@@ -147,11 +147,8 @@ def launch(plan, x: torch.Tensor) -> torch.Tensor:
     n = out.numel()
     if n == 0:
         return out
-    cfg = plan.config
-    block = cfg.kwargs["BLOCK_SIZE"]
-    _asin_kernel[(triton.cdiv(n, block),)](
-        x, out, n, BLOCK_SIZE=block, num_warps=cfg.num_warps, **plan.switches
-    )
+    grid, meta = _host.elementwise_launch(plan, n)
+    _asin_kernel[grid](x, out, n, **meta)
     return out
 
 
@@ -168,10 +165,6 @@ def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
     return ((torch.rand(n, device=device) * 2 - 1).to(dtype),), {}
 
 
-def default_configs(device) -> list:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
-
-
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
         NAME, "(x) -> out", problem, "elementwise arcsine, any shape", reference,
@@ -179,4 +172,4 @@ def register(registry) -> None:
     registry.add_variant(Variant(
         NAME, "generic", launch, requires=frozenset({"libdevice"}),
         accepts=_host.dtype_supported, switches={"USE_LIBDEVICE": True},
-        configs=default_configs, description="libdevice asin in fp32"))
+        configs=_host.elementwise_configs, description="libdevice asin in fp32"))

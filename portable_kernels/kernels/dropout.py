@@ -92,15 +92,11 @@ def _apply(plan, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     n = out.numel()
     if n == 0:
         return out
-    cfg = plan.config
-    block = cfg.kwargs["BLOCK_SIZE"]
     # At p = 1 nothing is kept, so the scale is never applied; 1 avoids 1/0 here and
     # inf * 0 in the kernel's unselected lanes.
     scale = 1.0 if p == 1.0 else 1.0 / (1.0 - p)
-    _dropout_kernel[(triton.cdiv(n, block),)](
-        x, out, n, p, scale, int(seed), BLOCK_SIZE=block, num_warps=cfg.num_warps,
-        **plan.switches,
-    )
+    grid, meta = _host.elementwise_launch(plan, n)
+    _dropout_kernel[grid](x, out, n, p, scale, int(seed), **meta)
     return out
 
 
@@ -189,15 +185,11 @@ def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
     return (torch.randn(n, device=device).to(dtype), 0.1, 1234), {}
 
 
-def default_configs(device) -> list:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
-
-
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
         NAME, "(x, p, seed) -> out", problem,
         "dropout with a counter-based (Philox) mask: same seed, same mask, none stored",
         reference, inputs, "N"))
     registry.add_variant(Variant(
-        NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
+        NAME, "generic", launch, accepts=_host.dtype_supported, configs=_host.elementwise_configs,
         description="pointer loads with a tail mask; tl.rand mask regenerated in backward"))

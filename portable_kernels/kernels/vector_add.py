@@ -64,11 +64,8 @@ def launch(plan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     n = out.numel()
     if n == 0:
         return out
-    cfg = plan.config
-    block = cfg.kwargs["BLOCK_SIZE"]
-    _vector_add_kernel[(triton.cdiv(n, block),)](
-        x, y, out, n, BLOCK_SIZE=block, num_warps=cfg.num_warps, **plan.switches
-    )
+    grid, meta = _host.elementwise_launch(plan, n)
+    _vector_add_kernel[grid](x, y, out, n, **meta)
     return out
 
 
@@ -85,14 +82,10 @@ def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
     return (torch.randn(n, device=device).to(dtype), torch.randn(n, device=device).to(dtype)), {}
 
 
-def default_configs(device) -> list:
-    return [triton.Config({"BLOCK_SIZE": 1024}, num_warps=4)]
-
-
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
         NAME, "(x, y) -> out", problem, "elementwise x + y, same shape, any size", reference,
         inputs, "N"))
     registry.add_variant(Variant(
-        NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
+        NAME, "generic", launch, accepts=_host.dtype_supported, configs=_host.elementwise_configs,
         description="pointer loads with a tail mask"))
