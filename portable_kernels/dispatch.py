@@ -174,9 +174,8 @@ def select(
             detail = "; ".join(f"{v.name}: {v.reason}" for v in verdicts) or "no variants registered"
             raise NoVariantError(f"{name}: no variant can run on {info.name} ({info.arch}): {detail}")
         chosen = runnable[0]
-        losers = [v for v in runnable[1:]]
         why = f"highest priority ({chosen.priority}) among runnable variants"
-        if not losers:
+        if len(runnable) == 1:
             why = f"the only runnable variant (priority {chosen.priority})"
         # The registering plugin's own account of the technique (and of its ranking).
         description = host.registry.variants[spec.name][chosen.name].description
@@ -187,9 +186,13 @@ def select(
         if v.name == chosen.name:
             continue
         if v.runnable:
-            v = dataclasses.replace(v, reason=f"runnable, passed over for {chosen.name}"
-                                    + ("" if forced else f" (priority {v.priority} < {chosen.priority})"
-                                       if v.priority < chosen.priority else " (tie broken by name)"))
+            if forced is not None:
+                detail = ""
+            elif v.priority < chosen.priority:
+                detail = f" (priority {v.priority} < {chosen.priority})"
+            else:
+                detail = " (tie broken by name)"
+            v = dataclasses.replace(v, reason=f"runnable, passed over for {chosen.name}{detail}")
         ordered.append(v)
     return Selection(spec.name, chosen.name, info, real, forced is not None, tuple(ordered), problem)
 
