@@ -207,3 +207,11 @@ def test_host_swap_rebinds_existing_handles(fresh_host):
     fresh_host(FakeBackend(FAKE_CAPS | {"tensor_descriptor"}), autoload=False, catalog=False)
     assert probe(meta(16))[0] == "fake.tma"
     assert plugins.host().plans["probe"]  # the new host's cache is the one filled
+
+
+def test_forced_explain_names_rivals_plainly(fake):
+    with pk.use_variant(probe="generic"):
+        sel = pk.explain("probe", meta(16))
+    reasons = {v.name: v.reason for v in sel.verdicts}
+    assert sel.variant == "generic" and reasons["generic"] == "forced by use_variant/PK_VARIANT"
+    assert reasons["fake.fast"] == "runnable, passed over for generic"
