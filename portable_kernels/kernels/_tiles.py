@@ -53,6 +53,16 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with an fp32 accumulator. With UPCAST the tiles are converted to fp32
+    first: Triton's interpreter keeps bf16 values as raw bits, so its bf16 dot is garbage."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def ptr_mainloop(
     a_ptr, b_ptr,                                   # operand base pointers
     M, N, K,                                        # sizes
@@ -93,10 +103,7 @@ def ptr_mainloop(
     for k in range(k_lo, tl.minimum(k_hi, k_whole)):
         a = tl.load(a_ptrs, mask=in_m, other=0.0)
         b = tl.load(b_ptrs, mask=in_n, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, UPCAST)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
     # --- the K tail, once, by the slice that holds it: masked loads read zeros past K,
@@ -105,10 +112,7 @@ def ptr_mainloop(
     if (k_left != 0) & (k_lo <= k_whole) & (k_whole < k_hi):
         a = tl.load(a_ptrs, mask=in_m & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & in_n, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, UPCAST)
     return acc
 
 
@@ -190,10 +194,7 @@ def desc_mainloop(
             b = b_desc.load([off_n, off_k]).T
         else:
             b = b_desc.load([off_k, off_n])
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, UPCAST)
     return acc
 
 

@@ -105,6 +105,21 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_chunk(x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
+               x_row_stride, x_col_stride, dy_row_stride, dy_col_stride):
+    """One column chunk of the backward's terms, in fp32: dy, xhat, g = dy * w, and the
+    masks. Both passes of the dx kernel recompute these rather than keep the row around.
+    Masked lanes have dy = 0, hence g = 0, whatever xhat is there."""
+    col_mask = c < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+    dy = _load_tile(dy_ptr, rows, c, dy_row_stride, dy_col_stride, mask)
+    w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    return dy, xhat, dy * w[None, :], col_mask, mask
+
+
+@triton.jit
 def _layer_norm_bwd_dx_kernel(
     dx_ptr, dy_ptr, x_ptr, w_ptr,     # dx (M, N) contiguous rows; dy, x (M, N) strided; w (N,)
     mean_ptr, rstd_ptr,               # per-row statistics from the forward (fp32)
@@ -135,14 +150,9 @@ def _layer_norm_bwd_dx_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
-        col_mask = c < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
-        dy = _load_tile(dy_ptr, rows, c, dy_row_stride, dy_col_stride, mask)
-        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-        # Masked lanes have dy = 0, hence g = 0, whatever xhat is there.
-        xhat = (x - mean[:, None]) * rstd[:, None]
-        g = dy * w[None, :]
+        dy, xhat, g, col_mask, mask = _bwd_chunk(
+            x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
+            x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
         acc_gx += g * xhat
         acc_g += g
     c1 = tl.sum(acc_gx, axis=1) / n_cols
@@ -151,13 +161,9 @@ def _layer_norm_bwd_dx_kernel(
     # --- pass 2: dx, and this tile's column sums into the group's partial row ---
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
-        col_mask = c < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
-        dy = _load_tile(dy_ptr, rows, c, dy_row_stride, dy_col_stride, mask)
-        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-        xhat = (x - mean[:, None]) * rstd[:, None]
-        g = dy * w[None, :]
+        dy, xhat, g, col_mask, mask = _bwd_chunk(
+            x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
+            x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
         dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + c[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
