@@ -17,7 +17,8 @@ before it is timed; a wrong result is reported and not timed. Times are the medi
 removes host overhead from small problems). The first call of each problem size autotunes
 our kernels; results persist in the library's tuning cache (``PK_CACHE_DIR``).
 
-    python bench/matmul.py [--quick] [--out PREFIX] [--dtypes fp16,bf16] [--cudagraph]
+    python bench/matmul.py [--quick | --shapes MxNxK,...] [--out PREFIX] [--dtypes fp16,bf16]
+                           [--cudagraph]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (so an interrupted run keeps what
 it measured) and ``PREFIX.png`` at the end when matplotlib is installed.
@@ -52,7 +53,9 @@ OURS = ("persistent_tma", "persistent_tma_nows", "generic")
 METHODS = ("cublas", "cublaslt") + OURS
 
 
-def shapes(quick: bool) -> list[tuple[int, int, int]]:
+def shapes(quick: bool, only: str = "") -> list[tuple[int, int, int]]:
+    if only:
+        return [tuple(int(x) for x in s.lower().split("x")) for s in only.split(",")]
     if quick:
         return QUICK
     return [(s, s, s) for s in SQUARE] + [(m, n, k) for m in LLM_M for n, k in LLM_NK]
@@ -221,6 +224,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--out", default="matmul-bench", help="path prefix of the .json/.md/.png")
     parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+    parser.add_argument("--shapes", default="", help="comma-separated MxNxK list instead")
     parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
     args = parser.parse_args()
 
@@ -247,7 +251,7 @@ def main() -> None:
     ours = Ours()
     start = time.time()
     for dtype in dtypes:
-        for m, n, k in shapes(args.quick):
+        for m, n, k in shapes(args.quick, args.shapes):
             row = bench_row(m, n, k, dtype, args, lt, ours)
             rows.append(row)
             cells = []

@@ -110,6 +110,24 @@ def test_forced_on_strided_views(device, gen):
     _check(_forced, (1, 4, 2, 90, 120, 64), True, torch.float16, device, gen, layout="bnhd")
 
 
+@pytest.mark.parametrize("grad_view", ["expanded", "strided"])
+def test_backward_takes_any_incoming_gradient(grad_view, device, gen):
+    """The backward's descriptors describe dO too, which autograd may hand over as any view:
+    a sum's gradient is expanded (zero strides), a slice's is strided."""
+    _skip_unless_hopper_runs(device)
+    leaves, views = _inputs(1, 2, 1, 70, 90, 64, torch.float16, device, gen)
+    leaves64 = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    if grad_view == "expanded":
+        loss = lambda out: out.sum()  # noqa: E731
+    else:
+        loss = lambda out: out[..., ::2].sum() + (out[..., 1::2] * 2).sum()  # noqa: E731
+    loss(_forced(*views, True)).backward()
+    loss(fa.reference(*leaves64, causal=True)).backward()
+    tol = tolerance(torch.float16, "attention")
+    for name, x, x64 in zip("qkv", leaves, leaves64):
+        assert_close(x.grad, x64.grad, _grad_tolerance(tol, x64.grad), f"{grad_view} d{name}")
+
+
 def test_autotuned_sequence_bucket(device, gen):
     """Long enough (bucket 1024) that a GPU autotunes among the row class's configs."""
     _skip_unless_hopper_runs(device)

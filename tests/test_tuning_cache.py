@@ -104,3 +104,35 @@ def test_tune_rejects_bad_shapes(capsys, fresh_host, device):
     fresh_host()
     code = cli.main(["tune", "softmax", "--shapes", "8x", "--device", str(device)])
     assert code == 1 and "is not RxC" in capsys.readouterr().err
+
+
+def test_run_tuned_launches_the_chosen_config_directly(cache_dir, device):
+    """After the first launch of a problem, ``run_tuned`` skips the autotuner and launches
+    the JIT kernel with the config it chose; another problem key is tuned again."""
+    plan, calls = _plan("Fast Path Fake"), []
+
+    def do_bench(kernel_call, quantiles=None):
+        calls.append(1)
+        kernel_call()
+        return [1.0 / len(calls)] * 3  # prefers the config benchmarked last (BLOCK_SIZE 512)
+
+    kernel = plan.autotuned(vector_add._vector_add_kernel, key=["n_elements"], do_bench=do_bench)
+    autotuner_runs = []
+    real_run = kernel.run
+    kernel.run = lambda *a, **k: (autotuner_runs.append(1), real_run(*a, **k))[1]
+
+    def launch(n):
+        x = torch.randn(n, device=device)
+        out = torch.full_like(x, float("nan"))  # poison: every element must be written
+        plan.run_tuned(kernel, (n, x.dtype), lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),),
+                       x, x, out, n)
+        torch.testing.assert_close(out, 2 * x)
+
+    launch(1000)
+    assert (len(calls), len(autotuner_runs)) == (2, 1)
+    assert kernel.best_config.kwargs == {"BLOCK_SIZE": 512}
+    launch(1000)
+    launch(1000)
+    assert (len(calls), len(autotuner_runs)) == (2, 1)  # no autotuner on the fast path
+    launch(3000)  # a new problem key goes through the autotuner again
+    assert len(autotuner_runs) == 2

@@ -86,6 +86,7 @@ the sequence-length bucket, D, causal and dtype; its backward takes the first th
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -112,7 +113,8 @@ _MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 # Config keys the launcher reads itself; every other config kwarg is a compiler option.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
-                        "BWD_NUM_STAGES", "ROW_BYTES_MAX", "WARP_SPECIALIZE"})
+                        "BWD_NUM_STAGES", "DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS",
+                        "DQ_NUM_STAGES", "ROW_BYTES_MAX", "WARP_SPECIALIZE"})
 # ... of which the forward kernel does not take these (the autotuned path drops them).
 _NOT_FORWARD_KEYS = _HOST_KEYS - {"BLOCK_M", "BLOCK_N", "WARP_SPECIALIZE"}
 # Sequence-length buckets below this are not autotuned: the first config that fits runs.
@@ -494,7 +496,7 @@ def _flash_attn_bwd_dkdv_kernel(
     H, H_KV, GROUP, N_Q, N_K, D,                              # sizes
     sm_scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     # --- program id to tile: BLOCK_N keys of one (batch, kv head) ---
     start_n = tl.program_id(0) * BLOCK_N
@@ -503,10 +505,14 @@ def _flash_attn_bwd_dkdv_kernel(
     hk = bhk % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_seq_tile(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh,
-                       offs_n, offs_d, stride_kn, stride_kd, N_K, D, True, PAD_D, False, UPCAST)
-    v = _load_seq_tile(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
-                       offs_n, offs_d, stride_vn, stride_vd, N_K, D, True, PAD_D, False, UPCAST)
+    k_src = _seq_source(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh,
+                        N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _seq_source(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
+                        N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
+    k = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
+                       True, PAD_D, False, UPCAST, TMA)
+    v = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
+                       True, PAD_D, False, UPCAST, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # Causal: query blocks wholly above the diagonal (every i < start_n) see none of these keys.
@@ -519,16 +525,18 @@ def _flash_attn_bwd_dkdv_kernel(
     # Summing the group here, in fp32 registers, is the GQA reduction of dk and dv.
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        q_src = _seq_source(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                            N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
+        do_src = _seq_source(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                             N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
         row = (b * H + h).to(tl.int64) * N_Q
         for start_m in range(lo, N_Q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             # The transposed orientation is natural here: Pᵀ [keys, queries] = exp(K·Qᵀ - LSE).
-            qT = _load_seq_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
-                                True, PAD_D, True, UPCAST)
-            do = _load_seq_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, N_Q, D,
-                                True, PAD_D, False, UPCAST)
+            qT = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
+                                True, PAD_D, True, UPCAST, TMA)
+            do = _read_seq_tile(do_src, start_m, 0, offs_m, offs_d, stride_dom, stride_dod, N_Q,
+                                D, True, PAD_D, False, UPCAST, TMA)
             # Rows past Nq get LSE = +inf so their probabilities are exactly 0.
             lse = tl.load(Lse + row + offs_m, mask=offs_m < N_Q, other=float("inf"))
             delta = tl.load(Delta + row + offs_m, mask=offs_m < N_Q, other=0.0)
@@ -542,10 +550,14 @@ def _flash_attn_bwd_dkdv_kernel(
             dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
 
     # --- write-back (rows past Nk dropped) ---
-    _store_seq_tile(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh,
-                    dk * sm_scale, offs_n, offs_d, stride_dkn, stride_dkd, N_K, D, PAD_D, False)
-    _store_seq_tile(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh,
-                    dv, offs_n, offs_d, stride_dvn, stride_dvd, N_K, D, PAD_D, False)
+    dk_dst = _seq_source(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh,
+                         N_K, stride_dkn, D, BLOCK_N, BLOCK_D, TMA)
+    dv_dst = _seq_source(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh,
+                         N_K, stride_dvn, D, BLOCK_N, BLOCK_D, TMA)
+    _write_seq_tile(dk_dst, dk * sm_scale, start_n, 0, offs_n, offs_d, stride_dkn, stride_dkd,
+                    N_K, D, PAD_D, False, TMA)
+    _write_seq_tile(dv_dst, dv, start_n, 0, offs_n, offs_d, stride_dvn, stride_dvd, N_K, D,
+                    PAD_D, False, TMA)
 
 
 @triton.jit
@@ -559,7 +571,7 @@ def _flash_attn_bwd_dq_kernel(
     H, GROUP, N_Q, N_K, D,                                    # sizes
     sm_scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     # --- program id to tile: BLOCK_M queries of one (batch, head) ---
     start_m = tl.program_id(0) * BLOCK_M
@@ -569,12 +581,18 @@ def _flash_attn_bwd_dq_kernel(
     hk = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    q = _load_seq_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
-                       offs_m, offs_d, stride_qm, stride_qd, N_Q, D, True, PAD_D, False, UPCAST)
-    do = _load_seq_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
-                        offs_m, offs_d, stride_dom, stride_dod, N_Q, D, True, PAD_D, False, UPCAST)
+    k_src = _seq_source(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh,
+                        N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _seq_source(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
+                        N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
+    q_src = _seq_source(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                        N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
+    do_src = _seq_source(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                         N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
+    q = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
+                       True, PAD_D, False, UPCAST, TMA)
+    do = _read_seq_tile(do_src, start_m, 0, offs_m, offs_d, stride_dom, stride_dod, N_Q, D,
+                        True, PAD_D, False, UPCAST, TMA)
     lse = tl.load(Lse + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=float("inf"))
     delta = tl.load(Delta + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
     lse2 = lse * LOG2E
@@ -587,10 +605,10 @@ def _flash_attn_bwd_dq_kernel(
     # --- main loop over key blocks ---
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load_seq_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
-                            True, PAD_D, True, UPCAST)
-        vT = _load_seq_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
-                            True, PAD_D, True, UPCAST)
+        kT = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
+                            True, PAD_D, True, UPCAST, TMA)
+        vT = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
+                            True, PAD_D, True, UPCAST, TMA)
         p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
         # A select, not a multiply: exp2 of a hidden key's score may overflow to inf.
         p = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, False), p, 0.0)
@@ -599,8 +617,10 @@ def _flash_attn_bwd_dq_kernel(
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
 
     # --- write-back ---
-    _store_seq_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
-                    dq * sm_scale, offs_m, offs_d, stride_dqm, stride_dqd, N_Q, D, PAD_D, False)
+    dq_dst = _seq_source(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
+                         N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, TMA)
+    _write_seq_tile(dq_dst, dq * sm_scale, start_m, 0, offs_m, offs_d, stride_dqm, stride_dqd,
+                    N_Q, D, PAD_D, False, TMA)
 
 
 # --- host launcher --------------------------------------------------------------------------
@@ -706,14 +726,30 @@ def _config(plan, block_d: int, itemsize: int) -> triton.Config:
     return plan.cached((NAME, "config", row), pick)
 
 
-def _options(cfg: triton.Config, backward: bool = False) -> dict[str, Any]:
-    """Launch options of a config: warps, stages and backend compiler options."""
+def _options(cfg: triton.Config, kernel: str = "forward") -> dict[str, Any]:
+    """Launch options of a config for ``kernel`` ("forward", "dkdv" or "dq"): warps,
+    stages and backend compiler options."""
     opts = {k: v for k, v in cfg.kwargs.items() if k not in _HOST_KEYS}
     opts.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if backward:
-        opts.update(num_warps=cfg.kwargs.get("BWD_NUM_WARPS", cfg.num_warps),
-                    num_stages=cfg.kwargs.get("BWD_NUM_STAGES", cfg.num_stages))
+    if kernel != "forward":
+        kw = cfg.kwargs
+        warps = kw.get("BWD_NUM_WARPS", cfg.num_warps)
+        stages = kw.get("BWD_NUM_STAGES", cfg.num_stages)
+        if kernel == "dq":
+            warps, stages = kw.get("DQ_NUM_WARPS", warps), kw.get("DQ_NUM_STAGES", stages)
+        opts.update(num_warps=warps, num_stages=stages)
     return opts
+
+
+def _backward_blocks(cfg: triton.Config) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of the dk/dv kernel, then of the dq kernel. Each kernel
+    holds one block in registers and streams the other, so their best shapes differ:
+    dk/dv holds ``BLOCK_N`` keys, dq holds ``BLOCK_M`` queries (64 at least, for sm_90's
+    warpgroup MMA). The dq kernel's default is the dk/dv shape."""
+    kw = cfg.kwargs
+    m = kw.get("BWD_BLOCK_M", kw["BLOCK_M"])
+    n = kw.get("BWD_BLOCK_N", kw["BLOCK_N"])
+    return m, n, kw.get("DQ_BLOCK_M", m), kw.get("DQ_BLOCK_N", n)
 
 
 def _switches(plan, block_d: int) -> dict[str, Any]:
@@ -829,31 +865,56 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = _block_d(d)
     cfg = _config(plan, block_d, q.element_size())
-    block_m = cfg.kwargs.get("BWD_BLOCK_M", cfg.kwargs["BLOCK_M"])
-    block_n = cfg.kwargs.get("BWD_BLOCK_N", cfg.kwargs["BLOCK_N"])
-    opts = _options(cfg, backward=True)
+    dkdv_m, dkdv_n, dq_m, dq_n = _backward_blocks(cfg)
+    dkdv_opts, dq_opts = _options(cfg, "dkdv"), _options(cfg, "dq")
     upcast = plan.switches["UPCAST"]
+    tma = plan.switches["TMA"]
+    if tma and _descriptor_issue(d, do, do, do):
+        # The forward's inputs passed tma_accepts; the incoming gradient may be any view
+        # (an expanded scalar's gradient has zero strides): one copy makes it describable.
+        do = do.contiguous()
     pad_d = d != block_d
     delta = torch.empty_like(lse)
-    _flash_attn_bwd_preprocess_kernel[(triton.cdiv(n_q, block_m), b * h)](
+    _flash_attn_bwd_preprocess_kernel[(triton.cdiv(n_q, dq_m), b * h)](
         out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
-        BLOCK_M=block_m, BLOCK_D=block_d, PAD_D=pad_d, **opts,
+        BLOCK_M=dq_m, BLOCK_D=block_d, PAD_D=pad_d, **dq_opts,
     )
+    with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
+        _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
+                     upcast, tma, dkdv_opts)
+        _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts)
+    return dq, dk, dv
+
+
+def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
+                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict) -> None:
+    """The dk/dv kernel on ``block_n`` keys per program, streaming ``block_m`` queries
+    (``bench/flash_attn_sweep.py`` times it alone through this)."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    block_d = _block_d(d)
     _flash_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), b * h_kv)](
         q, k, v, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=pad_d,
-        UPCAST=upcast, **opts,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
+        UPCAST=upcast, TMA=tma, **opts,
     )
+
+
+def _launch_dq(q, k, v, do, lse, delta, dq, causal: bool, scale: float,
+               block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict) -> None:
+    """The dq kernel on ``block_m`` queries per program, streaming ``block_n`` keys."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    block_d = _block_d(d)
     _flash_attn_bwd_dq_kernel[(triton.cdiv(n_q, block_m), b * h)](
         q, k, v, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=pad_d,
-        UPCAST=upcast, **opts,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
+        UPCAST=upcast, TMA=tma, **opts,
     )
-    return dq, dk, dv
 
 
 def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

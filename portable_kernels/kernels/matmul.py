@@ -366,7 +366,9 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             torch.empty(1, dtype=torch.float32, device=a.device),
             torch.zeros(1, dtype=torch.int32, device=a.device)))
     with _host.scratch_allocator(a.device) if tma else contextlib.nullcontext():
-        kernel[grid](
+        # (M, N, K, A_T, B_T) and the dtype are the autotuner's whole key.
+        plan.run_tuned(
+            kernel, (M, N, K, a_t, b_t, a.dtype), grid,
             a, b, out, partials, counters, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             A_T=a_t, B_T=b_t, **switches,

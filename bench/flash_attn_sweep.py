@@ -1,0 +1,238 @@
+"""Sweep flash_attn tile shapes on an NVIDIA GPU, each kernel timed alone.
+
+For each head dim and causal setting, at one (B, H, N) and fp16 or bf16, it times:
+
+- the forward kernel (through ``flash_attn._forward`` on a one-config plan), with tensor
+  descriptors (``TMA``, the ``nvidia.hopper`` path) and with pointer loads (``generic``);
+- the dk/dv and the dq backward kernels (``_launch_dkdv``, ``_launch_dq``), with and without
+  descriptors, each over its own grid of (BLOCK_M, BLOCK_N, warps, stages);
+
+and SDPA (cuDNN backend) forward and backward at the same shape for scale. Every candidate
+is checked against the reference kernels' output (the generic variant's first config) before
+it is timed. Compiling a few hundred kernels one after another takes minutes, so a pool of
+processes compiles them first, on small inputs with the same specializations, into Triton's
+on-disk cache; the timing process then loads them.
+
+    python bench/flash_attn_sweep.py [--dims 64,128] [--n 4096] [--batch 4] [--heads 32]
+                                     [--dtype fp16] [--jobs 12] [--out PREFIX] [--quick]
+
+Prints, per (D, causal) and kernel, the fastest settings and their TFLOP/s; writes every
+timing to ``PREFIX.json``. This is a tuning tool: its winners go into the NVIDIA backend's
+table (``backends/nvidia/tuning.py``), and ``bench/flash_attn.py`` measures the result.
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import argparse
+import concurrent.futures as futures
+import contextlib
+import itertools
+import json
+import math
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from portable_kernels.kernels import _host
+from portable_kernels.kernels import flash_attn as fa
+from portable_kernels.launch import LaunchPlan
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DEVICE = "cuda"
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+FWD = [(128, 64, 4, s) for s in (2, 3, 4)] + [(128, 64, 8, s) for s in (2, 3, 4)] \
+    + [(128, 128, 8, s) for s in (2, 3)] + [(128, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
+# dk/dv: BLOCK_N keys held, BLOCK_M queries streamed.
+DKDV = [(32, 128, 4, s) for s in (2, 3, 4, 5)] + [(32, 128, 8, s) for s in (2, 3)] \
+    + [(64, 128, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
+    + [(32, 64, 4, s) for s in (3, 5)] + [(16, 128, 4, 4), (64, 128, 4, 2)]
+# dq: BLOCK_M queries held, BLOCK_N keys streamed.
+DQ = [(128, 32, 4, s) for s in (2, 3, 4, 5)] + [(128, 32, 8, s) for s in (2, 3)] \
+    + [(128, 64, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
+    + [(64, 32, 4, s) for s in (3, 5)] + [(128, 16, 4, 4), (128, 64, 4, 2), (32, 128, 8, 2)]
+QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4]}
+
+
+def fits(kernel: str, tile, d: int) -> bool:
+    """Leave out shapes whose fp32 accumulators cannot fit the registers (they spill or fail
+    to compile): the held block times D, per thread of the program."""
+    bm, bn, warps, _ = tile
+    held = bm if kernel in ("fwd", "dq") else 2 * bn  # dk/dv holds two accumulators
+    return held * d / (warps * 32) <= 128
+
+
+def candidates(args) -> list[tuple]:
+    """Every (kernel, d, causal, tma, tile) to compile and time."""
+    grids = QUICK if args.quick else {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+    return [(kernel, d, causal, tma, tile)
+            for kernel, tiles in grids.items()
+            for d in args.dims for causal in (False, True) for tma in (True, False)
+            for tile in tiles if fits(kernel, tile, d)]
+
+
+def inputs(b, h, n, d, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, k, v, do = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, generator=gen)
+                   for _ in range(4))
+    return q, k, v, do
+
+
+def base_plan(q) -> LaunchPlan:
+    with pk.use_variant(flash_attn="generic"):
+        return pk.get_kernel("flash_attn").plan(q, q, q)
+
+
+_PLANS: dict = {}
+
+
+def fwd_plan(base: LaunchPlan, tile, tma: bool) -> LaunchPlan:
+    """A one-config plan (kept, so that timing loops do not build autotuners)."""
+    plan = _PLANS.get((id(base), tile, tma))
+    if plan is None:
+        bm, bn, warps, stages = tile
+        cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+        plan = _PLANS[(id(base), tile, tma)] = LaunchPlan(
+            base.variant, base.device, [cfg], {**base.switches, "TMA": tma})
+    return plan
+
+
+def run(kernel, tile, tma, causal, q, k, v, do, out, lse, delta, base):
+    """One launch of the candidate; returns its output(s)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    bm, bn, warps, stages = tile
+    opts = {"num_warps": warps, "num_stages": stages}
+    if kernel == "fwd":
+        return fa._forward(fwd_plan(base, tile, tma), q, k, v, causal, scale)[0]
+    with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
+        if kernel == "dkdv":
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            fa._launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, bm, bn, False, tma, opts)
+            return torch.cat([dk, dv])
+        dq = torch.empty_like(q)
+        fa._launch_dq(q, k, v, do, lse, delta, dq, causal, scale, bm, bn, False, tma, opts)
+        return dq
+
+
+def state(b, h, n, d, dtype, causal, seed=0):
+    """Inputs plus the forward's out, LSE and the backward's delta, from the generic plan."""
+    q, k, v, do = inputs(b, h, n, d, dtype, seed=seed)
+    base = base_plan(q)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = fa._forward(base, q, k, v, causal, scale)
+    delta = (out.float() * do.float()).sum(-1)
+    return q, k, v, do, out, lse, delta, base
+
+
+def compile_one(cand, dtype_name) -> str:
+    """Worker: compile one candidate into the disk cache with a small launch."""
+    kernel, d, causal, tma, tile = cand
+    try:
+        st = state(1, 2, 256, d, DTYPES[dtype_name], causal)
+        run(kernel, tile, tma, causal, *st)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as exc:  # reported, and the candidate is skipped
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def flops(kernel, b, h, n, d, causal) -> float:
+    f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+    # dk/dv: 4 of the backward's 7 dots (K·Qᵀ, Pᵀ·dO, V·dOᵀ, dSᵀ·Q); dq: 3 (Q·Kᵀ, dO·Vᵀ, dS·K).
+    return {"fwd": f, "dkdv": f * 2.0, "dq": f * 1.5}[kernel]
+
+
+def sdpa_times(b, h, n, d, dtype, causal) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, do = (x.requires_grad_() for x in inputs(b, h, n, d, dtype, seed=1))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        fwd = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal), return_mode="median")
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                                      return_mode="median")
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    parser.add_argument("--jobs", type=int, default=12, help="compile processes")
+    parser.add_argument("--out", default="flash-attn-sweep")
+    parser.add_argument("--quick", action="store_true", help="four candidates per kernel")
+    args = parser.parse_args()
+    args.dims = [int(x) for x in args.dims.split(",")]
+    if not torch.cuda.is_available() or torch.version.hip:
+        sys.exit("bench/flash_attn_sweep.py times kernels on an NVIDIA GPU; none here")
+    dtype = DTYPES[args.dtype]
+    b, h, n = args.batch, args.heads, args.n
+    cands = candidates(args)
+    start = time.time()
+    errors = {}
+    ctx = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+        for cand, err in zip(cands, pool.map(compile_one, cands, itertools.repeat(args.dtype))):
+            if err:
+                errors[cand] = err
+    print(f"compiled {len(cands) - len(errors)} of {len(cands)} candidates in "
+          f"{time.time() - start:.0f} s", flush=True)
+
+    results = []
+    for d in args.dims:
+        for causal in (False, True):
+            st = state(b, h, n, d, dtype, causal, seed=2)
+            base = st[-1]
+            refs = {kernel: run(kernel, (64, 64, 4, 2), False, causal, *st).float()
+                    for kernel in ("fwd", "dkdv", "dq")}
+            sdpa = sdpa_times(b, h, n, d, dtype, causal)
+            f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+            print(f"\nD={d} causal={causal}: cuDNN fwd {f / sdpa['fwd'] * 1e-9:.0f} TFLOP/s, "
+                  f"bwd {2.5 * f / sdpa['bwd'] * 1e-9:.0f} TFLOP/s ({sdpa['bwd']:.3f} ms)")
+            for kernel in ("fwd", "dkdv", "dq"):
+                timed = []
+                for cand in cands:
+                    if cand[:3] != (kernel, d, causal) or cand in errors:
+                        continue
+                    _, _, _, tma, tile = cand
+                    try:
+                        out = run(kernel, tile, tma, causal, *st).float()
+                        err = float((out - refs[kernel]).abs().max() / refs[kernel].abs().max())
+                        if not err < 2e-2:
+                            errors[cand] = f"WRONG: relative max error {err:.3g}"
+                            continue
+                        ms = triton.testing.do_bench(
+                            lambda: run(kernel, tile, tma, causal, *st), return_mode="median")
+                    except Exception as exc:
+                        errors[cand] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                        continue
+                    tf = flops(kernel, b, h, n, d, causal) / ms * 1e-9
+                    timed.append((ms, tma, tile, tf))
+                    results.append({"kernel": kernel, "D": d, "causal": causal, "tma": tma,
+                                    "tile": tile, "ms": ms, "tflops": tf})
+                timed.sort()
+                for ms, tma, tile, tf in timed[:4]:
+                    print(f"  {kernel:5s} {'tma' if tma else 'ptr'} BM,BN,w,s={tile}: "
+                          f"{ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+                best_ptr = min((t for t in timed if not t[1]), default=None)
+                if best_ptr and timed[0][1]:
+                    print(f"  {kernel:5s} best pointer-load: {best_ptr[2]} {best_ptr[0]:.3f} ms")
+            Path(args.out).with_suffix(".json").write_text(json.dumps(
+                {"shape": [b, h, n], "dtype": args.dtype, "results": results,
+                 "errors": {str(k): v for k, v in errors.items()}}, indent=1))
+    for cand, err in errors.items():
+        print("skipped", cand, err)
+    print(f"done in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
