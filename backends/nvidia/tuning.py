@@ -64,6 +64,8 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         # N = 4096; 1024-squares), which the launcher's pruning offers them only to. 8 warps:
         # the split epilogue's barrier and atomics stay out of warp-specialized code.
         _gemm(64, 128, 128, 3, 8, SPLIT_K=4),   # M <= 64:  N/128 tiles x 4
+        _gemm(64, 128, 64, 4, 8, SPLIT_K=4),    #           (the generic table's pick there)
+        _gemm(64, 64, 128, 4, 8, SPLIT_K=2),    #           N/64 tiles x 2
         _gemm(64, 128, 64, 4, 8, SPLIT_K=2),    # M <= 128: 2 x N/128 tiles x 2
         _gemm(128, 128, 64, 4, 8, SPLIT_K=4),   # M <= 128: N/128 tiles x 4
         _gemm(128, 128, 64, 4, 8, SPLIT_K=2),   # 1024-squares: 64 tiles x 2
