@@ -6,8 +6,8 @@ fp16 and bf16; fresh ``torch.randn`` inputs per row. Columns, forward and backwa
 - ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` under
   ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``, the baseline of the ratios;
 - ``flash``: the same under ``SDPBackend.FLASH_ATTENTION`` (FlashAttention-2);
-- ``hopper``: our ``nvidia.hopper`` variant, forced (descriptor loads, warp-specialized or
-  pipelined K/V loop, autotuned; its backward is the generic kernels);
+- ``hopper``: our ``nvidia.hopper`` variant, forced (descriptor loads, pipelined K/V loop,
+  autotuned forward; its backward: the generic kernels' code on descriptors);
 - ``generic``: our ``generic`` variant, forced (pointer loads, one config per row size).
 
 Each of ours is checked against SDPA (flash, else cuDNN) before it is timed, output and the

@@ -289,24 +289,40 @@ def test_chosen_on_hopper_and_nowhere_else():
 # --- the tuning table and the autotuner's candidates -----------------------------------------
 
 def test_sm90_table_is_consistent():
-    """Warp specialization only with 4 warps (8 leave it off in triton 3.6); each row class
-    leads with the generic table's backward settings for that row."""
+    """No warp-specialized config (wrong results on sm_90 with triton 3.6); each row class
+    leads with complete backward settings, whose dq kernel holds at least 64 queries (a
+    warpgroup MMA's rows) in the descriptor table and the generic table's 16-bit rows."""
     from portable_kernels_backends.nvidia import tuning
 
     h200 = pk.plugins.host().emulation_profile("h200")
     configs = tuning.flash_attn_hopper(h200)
     generic = tuning._flash_attn(h200)
-    bwd = ("BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS", "BWD_NUM_STAGES")
+    bwd = ("BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS", "BWD_NUM_STAGES",
+           "DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS", "DQ_NUM_STAGES")
     for cfg in configs:
-        assert cfg.kwargs["BLOCK_M"] == 128 and cfg.kwargs["BLOCK_N"] in (64, 128)
+        assert cfg.kwargs["BLOCK_M"] in (64, 128) and cfg.kwargs["BLOCK_N"] in (64, 128)
         assert 2 <= cfg.num_stages <= 4
-        assert not cfg.kwargs["WARP_SPECIALIZE"] or cfg.num_warps == 4
-    for row in (128, 256):
-        first = next(c for c in configs if c.kwargs["ROW_BYTES_MAX"] >= row)
-        assert first.kwargs["ROW_BYTES_MAX"] == row
-        ours = {k: first.kwargs[k] for k in bwd}
-        theirs = next(c for c in generic if c.kwargs.get("ROW_BYTES_MAX", math.inf) >= row)
-        assert ours == {k: theirs.kwargs[k] for k in bwd}
+        assert cfg.kwargs["WARP_SPECIALIZE"] is False
+    for table in (configs, generic):
+        for row in (128, 256):
+            first = next(c for c in table if c.kwargs["ROW_BYTES_MAX"] >= row)
+            assert first.kwargs["ROW_BYTES_MAX"] == row
+            assert all(k in first.kwargs for k in bwd)
+            assert first.kwargs["DQ_BLOCK_M"] >= 64
+            assert fa._backward_blocks(first) == tuple(first.kwargs[k] for k in (
+                "BWD_BLOCK_M", "BWD_BLOCK_N", "DQ_BLOCK_M", "DQ_BLOCK_N"))
+
+
+def test_backward_options_per_kernel():
+    cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BWD_NUM_WARPS": 4, "BWD_NUM_STAGES": 2,
+                         "DQ_NUM_WARPS": 8, "waves_per_eu": 2}, num_warps=8, num_stages=3)
+    assert fa._options(cfg) == {"waves_per_eu": 2, "num_warps": 8, "num_stages": 3}
+    assert fa._options(cfg, "dkdv") == {"waves_per_eu": 2, "num_warps": 4, "num_stages": 2}
+    assert fa._options(cfg, "dq") == {"waves_per_eu": 2, "num_warps": 8, "num_stages": 2}
+    # Without backward keys every kernel takes the forward's tile and options.
+    plain = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+    assert fa._backward_blocks(plain) == (64, 32, 64, 32)
+    assert fa._options(plain, "dq") == fa._options(plain) == {"num_warps": 4, "num_stages": 2}
 
 
 def test_candidates_are_the_tightest_row_class():

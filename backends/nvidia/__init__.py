@@ -108,5 +108,7 @@ def pk_register_variants(registry):
         switches={"TMA": True, "WARP_SPECIALIZE": True}, configs=tuning.flash_attn_hopper,
         description="Q/K/V/O tiles through device-side tensor descriptors (TMA), "
         "software-pipelined K/V loop (the warp-specialized loop is off on sm_90: wrong "
-        "results with triton 3.6), causal split into unmasked and diagonal blocks, autotuned tiles; fp16/bf16, D 64 or 128, 16-byte aligned strides (else "
-        "generic, with the reason in explain); backward: the generic kernels"))
+        "results with triton 3.6), causal split into unmasked and diagonal blocks, "
+        "autotuned tiles; backward kernels on descriptors too, with tiles of their own; "
+        "fp16/bf16, D 64 or 128, 16-byte aligned strides (else generic, with the reason "
+        "in explain)"))

@@ -92,62 +92,75 @@ def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
     ]
 
-# (kernel, variant) first, then (kernel, None) for every variant of the kernel.
-def _attn(bm, bn, warps, stages, bwd_bm, bwd_bn, bwd_warps, bwd_stages, row_bytes=None) -> triton.Config:
-    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd_bm, "BWD_BLOCK_N": bwd_bn,
-              "BWD_NUM_WARPS": bwd_warps, "BWD_NUM_STAGES": bwd_stages}
+def _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=None) -> triton.Config:
+    """A flash_attn config: the forward's tile, warps and stages, then the dk/dv and the dq
+    kernels' (BLOCK_M, BLOCK_N, warps, stages)."""
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn,
+              "BWD_BLOCK_M": dkdv[0], "BWD_BLOCK_N": dkdv[1],
+              "BWD_NUM_WARPS": dkdv[2], "BWD_NUM_STAGES": dkdv[3],
+              "DQ_BLOCK_M": dq[0], "DQ_BLOCK_N": dq[1], "DQ_NUM_WARPS": dq[2], "DQ_NUM_STAGES": dq[3]}
     if row_bytes is not None:
         kwargs["ROW_BYTES_MAX"] = row_bytes
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
+# Backward settings measured by bench/flash_attn_sweep.py on the H200 (2026-11-29, fp16,
+# B=4, H=32, N=4096, the fastest over causal and not; docs/performance.md has the table):
+# (BLOCK_M, BLOCK_N, warps, stages), with pointer loads and with descriptors.
+_DKDV_D64, _DQ_D64 = (32, 64, 4, 3), (64, 64, 4, 3)
+_DKDV_D128, _DQ_D128 = (64, 64, 4, 2), (128, 64, 8, 3)
+_DKDV_D64_TMA, _DQ_D64_TMA = (32, 64, 4, 3), (64, 64, 4, 2)
+
+
 def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
     # By the bytes of one padded K/V row (BLOCK_D x element size): the launcher takes the
-    # first entry that fits. Chosen from sm_90 compiles of the pointer-load kernels (ptxas
-    # -v): the largest tiles with no register spills and shared memory within 227 KB,
-    # forward (fp32 accumulator of BLOCK_M x D) and backward (dk, dv accumulators of
-    # BLOCK_N x D: narrower tiles) alike.
+    # first entry that fits. Shared memory and registers were checked by compiling for
+    # sm_90 (ptxas -v) for the widest row of each class; fp32 rows of D/2 move the same
+    # bytes as fp16 rows of D. Each backward kernel holds one block and streams the other:
+    # dk/dv holds keys, dq holds queries (at least 64, so that its dots are warpgroup MMAs).
     if device.shared_memory >= 200 * 1024:  # Hopper and later
         return [
-            _attn(128, 128, 8, 3, 64, 128, 8, 2, row_bytes=128),   # fp16 D<=64
-            _attn(128, 64, 8, 3, 32, 128, 8, 2, row_bytes=256),    # fp16 D<=128, fp32 D<=64
-            _attn(128, 64, 8, 2, 32, 32, 8, 2, row_bytes=512),     # fp16 D=256, fp32 D<=128
-            _attn(32, 32, 4, 1, 16, 32, 4, 1),                     # fp32 D=256
+            _attn(128, 64, 8, 4, _DKDV_D64, _DQ_D64, row_bytes=128),       # fp16 D<=64
+            _attn(128, 64, 8, 3, _DKDV_D128, _DQ_D128, row_bytes=256),     # fp16 D<=128, fp32 D<=64
+            _attn(128, 64, 8, 2, (32, 32, 8, 2), (32, 32, 8, 2), row_bytes=512),  # fp16 D=256, fp32 D<=128
+            _attn(32, 32, 4, 1, (16, 32, 4, 1), (16, 32, 4, 1)),           # fp32 D=256
         ]
     # Ampere-class shared memory (~164 KB): the same shapes, one stage fewer.
     return [
-        _attn(128, 64, 4, 2, 64, 64, 4, 2, row_bytes=128),
-        _attn(64, 64, 4, 2, 32, 64, 4, 2, row_bytes=256),
-        _attn(64, 32, 4, 2, 32, 32, 4, 1, row_bytes=512),
-        _attn(32, 32, 4, 1, 16, 32, 4, 1),
+        _attn(128, 64, 4, 2, (64, 64, 4, 2), (64, 64, 4, 2), row_bytes=128),
+        _attn(64, 64, 4, 2, (32, 64, 4, 2), (32, 64, 4, 2), row_bytes=256),
+        _attn(64, 32, 4, 2, (32, 32, 4, 1), (32, 32, 4, 1), row_bytes=512),
+        _attn(32, 32, 4, 1, (16, 32, 4, 1), (16, 32, 4, 1)),
     ]
 
 
 def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
     # nvidia.hopper, fp16/bf16 at D=64 (128-byte rows) and D=128 (256-byte rows). The
-    # forward autotunes among the configs of the tightest ROW_BYTES_MAX that fits; the
-    # backward (the generic kernels) takes the first config that fits, so each class's
-    # first entry carries _flash_attn's backward settings for that row.
-    # Checked by compiling for sm_90 (triton 3.6, ptxas -v): no spills; shared memory
-    # 82-197 KB. ws=True: one masked loop that triton splits into a TMA producer warpgroup
-    # and two consumer warpgroups of 64 rows (num_warps=4 means 12 warps in all, 232
-    # registers per consumer thread); it needs num_warps=4 (with 8 triton silently does
-    # not specialize). ws=False: unmasked and diagonal loops, software-pipelined, 8 warps.
-    def cfg(bn, warps, stages, ws, bwd, row_bytes):
-        c = _attn(128, bn, warps, stages, *bwd, row_bytes=row_bytes)
-        return triton.Config({**c.kwargs, "WARP_SPECIALIZE": ws}, num_warps=warps, num_stages=stages)
+    # forward autotunes among the configs of the tightest ROW_BYTES_MAX that fits (the
+    # four fastest descriptor-path tiles of bench/flash_attn_sweep.py on the H200); the
+    # backward takes the first config that fits, so each class leads with the sweep's
+    # fastest descriptor-path backward settings.
+    # No warp-specialized config: one masked loop that triton 3.6 splits into a TMA
+    # producer and two consumer warpgroups compiled, but computed wrong outputs (inf,
+    # errors of 0.5) on the H200 on 2026-11-29. Triton's own fused-attention tutorial runs
+    # its warp_specialize path on Blackwell only (its tests parametrize it on
+    # `is_blackwell()`), so on sm_90 this is untested compiler ground. The switch and the
+    # loop remain (tested under the interpreter) for later Triton releases.
+    def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes):
+        c = _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=row_bytes)
+        return triton.Config({**c.kwargs, "WARP_SPECIALIZE": False}, num_warps=warps,
+                             num_stages=stages)
 
-    d64, d128 = (64, 128, 8, 2), (32, 128, 8, 2)  # backward: as _flash_attn's first two
-    # The ws=True configs (one loop split into a TMA producer and two consumer warpgroups,
-    # num_warps=4) compiled cleanly but computed wrong outputs (inf, errors of 0.5) on the
-    # H200 with triton 3.6 on 2026-11-29, while the pipelined ones were right; they stay out
-    # of the list until that is understood. The switch and its loop remain, tested under
-    # the interpreter.
+    d64, d128 = (_DKDV_D64_TMA, _DQ_D64_TMA), (_DKDV_D128, _DQ_D128)
     return [
-        cfg(128, 8, 2, False, d64, 128),   # D=64:  83 KB, 166 registers
-        cfg(64, 4, 3, False, d64, 128),    #        67 KB, 195 registers
-        cfg(64, 8, 3, False, d128, 256),   # D=128: 132 KB, 150 registers
-        cfg(128, 8, 2, False, d128, 256),  #        165 KB, 203 registers
+        cfg(64, 128, 4, 2, *d64, 128),     # D=64
+        cfg(128, 64, 4, 3, *d64, 128),
+        cfg(64, 64, 4, 3, *d64, 128),
+        cfg(128, 64, 4, 4, *d64, 128),
+        cfg(128, 64, 4, 2, *d128, 256),    # D=128
+        cfg(128, 128, 8, 3, *d128, 256),
+        cfg(128, 128, 8, 2, *d128, 256),
+        cfg(64, 64, 4, 3, *d128, 256),
     ]
 
 

@@ -56,27 +56,29 @@ Constexpr switches (each variant sets them all; see ``SWITCHES``):
         into a producer warpgroup issuing the K/V copies and consumer warpgroups doing the
         dots and the softmax, decoupled by ``num_stages`` shared-memory buffers. Triton 3.6
         does this for sm_90 only for a kernel with one loop and no branch in it, so this
-        switch also turns the two stages into one loop over every block, each masked.
+        switch also turns the two stages into one loop over every block, each masked. No
+        sm_90 config sets it: on the H200 with triton 3.6 it computed wrong outputs (see
+        ``backends/nvidia/tuning.py``).
 
-Backward, shared by every variant (the switches above shape only the forward; UPCAST
-applies to both): a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel
-runs one program per ``BLOCK_N`` keys of one K/V head and loops over the query heads of its
-group and their query blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are
-summed in fp32 registers, with no per-query-head buffers); the dq kernel runs one program
-per ``BLOCK_M`` queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the
-gradient of the scaled scores, hence the final ``· sm_scale`` on dq and dk.
-
-nvidia.hopper keeps this backward, pointer loads included (sm_90 pipelines them through
-cp.async): the dk/dv kernel nests the query-block loop in a loop over the GQA group and
-holds dots outside any one loop, which triton 3.6 cannot warp-specialize for sm_90 (see
-WARP_SPECIALIZE), so descriptors there would bring TMA copies without the producer/consumer
-split; that rewrite (e.g. one loop over group × query blocks) is left for later. Its
-configs carry the generic table's backward settings, so both variants share compiled
-backward kernels.
+Backward, shared by every variant (of the switches above, UPCAST and TMA apply to it too):
+a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel runs one program
+per ``BLOCK_N`` keys of one K/V head and loops over the query heads of its group and their
+query blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are summed in fp32
+registers, with no per-query-head buffers); the dq kernel runs one program per ``BLOCK_M``
+queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the gradient of the scaled
+scores, hence the final ``· sm_scale`` on dq and dk. Each kernel holds one block and
+streams the other, so each has its own tile: dk/dv holds keys and streams few queries, dq
+holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq tile
+ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA, every tile of both kernels moves
+through descriptors; an incoming gradient they cannot describe (autograd may hand over an
+expanded or strided view) is copied once first. The loops are software-pipelined, not
+warp-specialized (the dk/dv kernel's loop nest is outside what triton 3.6 specializes for
+sm_90).
 
 Config (from the backend's tuning table): ``BLOCK_M``, ``BLOCK_N`` (forward tile),
-optional ``BWD_BLOCK_M``, ``BWD_BLOCK_N``, ``BWD_NUM_WARPS``, ``BWD_NUM_STAGES`` (backward
-kernels; default: the forward's), optional
+optional ``BWD_BLOCK_M``, ``BWD_BLOCK_N``, ``BWD_NUM_WARPS``, ``BWD_NUM_STAGES`` (the dk/dv
+kernel; default: the forward's), optional ``DQ_BLOCK_M``, ``DQ_BLOCK_N``, ``DQ_NUM_WARPS``,
+``DQ_NUM_STAGES`` (the dq kernel; default: the dk/dv kernel's), optional
 ``ROW_BYTES_MAX`` (the config applies when one padded K/V row, ``BLOCK_D`` × element size,
 fits in it; the launcher takes the first config that fits, else the last), ``num_warps``,
 ``num_stages``, and any other keyword (e.g. ``waves_per_eu`` on ROCm) goes to every launch
