@@ -840,10 +840,13 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
         # memory for the launch.
         tma_switches = plan.cached((NAME, "tma switches", block_d), lambda: {
             name: value for name, value in switches.items() if name != "WARP_SPECIALIZE"})
+        bucket = _bucket(n_q, n_k)
         with _host.scratch_allocator(q.device):
-            _autotuned_forward(plan)[lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), b * h)](
-                *args, _bucket(n_q, n_k),
-                BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d, **tma_switches,
+            # The autotuner's key: N_BUCKET, BLOCK_D, CAUSAL and the dtypes (Lse: fp32).
+            plan.run_tuned(
+                _autotuned_forward(plan), (bucket, block_d, causal, q.dtype),
+                lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), b * h),
+                *args, bucket, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d, **tma_switches,
             )
         return out, lse
     cfg = _config(plan, block_d, q.element_size())
