@@ -205,6 +205,15 @@ def _seq_source(base, n_s, stride_s, D, BLOCK_S: tl.constexpr, BLOCK_DC: tl.cons
 
 
 @triton.jit
+def _head_source(base, b, h, stride_b, stride_h, n_s, stride_s, D, BLOCK_S: tl.constexpr,
+                 BLOCK_DC: tl.constexpr, TMA: tl.constexpr):
+    """:func:`_seq_source` of head ``h`` of batch ``b`` of a (B, H, N, D) tensor (int64
+    offsets: batch and head strides times indices can pass 2**31 elements)."""
+    return _seq_source(base + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h,
+                       n_s, stride_s, D, BLOCK_S, BLOCK_DC, TMA)
+
+
+@triton.jit
 def _read_seq_tile(src, start_s, start_d, offs_s, offs_d, stride_s, stride_d, n_s, D,
                    CHECK_S: tl.constexpr, PAD_D: tl.constexpr, D_MAJOR: tl.constexpr,
                    UPCAST: tl.constexpr, TMA: tl.constexpr):
@@ -507,10 +516,8 @@ def _flash_attn_bwd_dkdv_kernel(
     hk = bhk % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = _seq_source(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh,
-                        N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
-    v_src = _seq_source(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
-                        N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
+    k_src = _head_source(K, b, hk, stride_kb, stride_kh, N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _head_source(V, b, hk, stride_vb, stride_vh, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
     k = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
                        True, PAD_D, False, UPCAST, TMA)
     v = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
@@ -527,9 +534,9 @@ def _flash_attn_bwd_dkdv_kernel(
     # Summing the group here, in fp32 registers, is the GQA reduction of dk and dv.
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_src = _seq_source(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+        q_src = _head_source(Q, b, h, stride_qb, stride_qh,
                             N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
-        do_src = _seq_source(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+        do_src = _head_source(DO, b, h, stride_dob, stride_doh,
                              N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
         row = (b * H + h).to(tl.int64) * N_Q
         for start_m in range(lo, N_Q, BLOCK_M):
@@ -552,9 +559,9 @@ def _flash_attn_bwd_dkdv_kernel(
             dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
 
     # --- write-back (rows past Nk dropped) ---
-    dk_dst = _seq_source(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh,
+    dk_dst = _head_source(DK, b, hk, stride_dkb, stride_dkh,
                          N_K, stride_dkn, D, BLOCK_N, BLOCK_D, TMA)
-    dv_dst = _seq_source(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh,
+    dv_dst = _head_source(DV, b, hk, stride_dvb, stride_dvh,
                          N_K, stride_dvn, D, BLOCK_N, BLOCK_D, TMA)
     _write_seq_tile(dk_dst, dk * sm_scale, start_n, 0, offs_n, offs_d, stride_dkn, stride_dkd,
                     N_K, D, PAD_D, False, TMA)
@@ -583,13 +590,10 @@ def _flash_attn_bwd_dq_kernel(
     hk = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = _seq_source(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh,
-                        N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
-    v_src = _seq_source(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh,
-                        N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
-    q_src = _seq_source(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
-                        N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
-    do_src = _seq_source(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+    k_src = _head_source(K, b, hk, stride_kb, stride_kh, N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _head_source(V, b, hk, stride_vb, stride_vh, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
+    q_src = _head_source(Q, b, h, stride_qb, stride_qh, N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
+    do_src = _head_source(DO, b, h, stride_dob, stride_doh,
                          N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
     q = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
                        True, PAD_D, False, UPCAST, TMA)
@@ -619,7 +623,7 @@ def _flash_attn_bwd_dq_kernel(
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
 
     # --- write-back ---
-    dq_dst = _seq_source(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
+    dq_dst = _head_source(DQ, b, h, stride_dqb, stride_dqh,
                          N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, TMA)
     _write_seq_tile(dq_dst, dq * sm_scale, start_m, 0, offs_m, offs_d, stride_dqm, stride_dqd,
                     N_Q, D, PAD_D, False, TMA)
