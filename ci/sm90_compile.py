@@ -1,0 +1,275 @@
+"""Compile the NVIDIA backend's sm_90 (Hopper) kernels for every tuning config, without a GPU.
+
+GPU time is scarce and CI has no GPU, yet a kernel edit or a new tuning entry can break the
+Hopper build (a compiler failure, shared memory past the 227 KB a block may use) in ways the
+CPU interpreter never sees. This script runs the real host launchers on CPU tensors, with
+plans built as dispatch builds them for an H200 (``pk_tuning_configs``, one config per
+plan), and intercepts each kernel launch: the launch's arguments are specialized the way
+Triton's JIT specializes them, then compiled for ``GPUTarget("cuda", 90, 32)`` with the
+ptxas that ships with Triton, and nothing is launched.
+
+Families: ``flash_attn`` (``nvidia.hopper`` and the generic sm_90 table; forward and the
+three backward kernels, causal and not), ``matmul`` (``nvidia.persistent_tma`` and the
+generic table), ``grouped_matmul`` (``nvidia.tma`` and generic). For each compiled kernel
+it prints shared memory, registers and local memory (spills) from the cubin, and fails when
+a kernel does not compile or needs more shared memory than the device has.
+
+    python ci/sm90_compile.py [--quick] [--families flash_attn,matmul] [--markdown OUT]
+
+``--quick``: fp16 only and one config per row class. Needs no GPU and no CUDA install.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (must precede `import triton`)
+os.environ.pop("PK_INTERPRET", None)
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime import jit  # noqa: E402
+
+import portable_kernels  # noqa: E402,F401  (loads the plugins' entry points)
+from portable_kernels import plugins  # noqa: E402
+from portable_kernels.launch import LaunchPlan  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PROFILE = "h200"
+
+
+@dataclass
+class Row:
+    case: str
+    kernel: str
+    shared: int = 0
+    regs: int | None = None
+    local: int | None = None      # STACK + LOCAL bytes per thread: spills and local arrays
+    seconds: float = 0.0
+    error: str = ""
+
+
+class Compiler:
+    """Stands in for ``JITFunction.run``: specializes the call as the JIT does, compiles it
+    for sm_90, records the resources, launches nothing."""
+
+    def __init__(self, shared_limit: int) -> None:
+        self.backend = CUDABackend(TARGET)
+        self.shared_limit = shared_limit
+        self.rows: list[Row] = []
+        self.case = ""
+        self._binders: dict = {}
+        self._resources: dict = {}
+
+    def run(self, fn, args, kwargs) -> None:
+        binder = self._binders.get(fn)
+        if binder is None:
+            binder = self._binders[fn] = jit.create_function_from_signature(
+                fn.signature, fn.params, self.backend)
+        row = Row(self.case, fn.__name__)
+        start = time.time()
+        try:
+            bound, specialization, options = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(
+                self.backend, kwargs, bound, specialization, options)
+            src = getattr(fn, "ASTSource", ASTSource)(fn, signature, constexprs, attrs)
+            compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+            row.shared = compiled.metadata.shared
+            row.regs, row.local = self._resource_usage(compiled)
+            if row.shared > self.shared_limit:
+                row.error = f"shared memory {row.shared} B > {self.shared_limit} B"
+        except Exception as exc:  # recorded; the summary fails the run
+            row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+        row.seconds = time.time() - start
+        self.rows.append(row)
+
+    def _resource_usage(self, compiled) -> tuple[int | None, int | None]:
+        """Registers and STACK + LOCAL bytes, from ``cuobjdump --dump-resource-usage``."""
+        key = compiled.hash
+        if key not in self._resources:
+            tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            regs = local = None
+            if tool.exists():
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(compiled.asm["cubin"])
+                    f.flush()
+                    out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                                         capture_output=True, text=True).stdout
+                m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+                if m:
+                    regs, local = int(m.group(1)), int(m.group(2)) + int(m.group(3))
+            self._resources[key] = (regs, local)
+        return self._resources[key]
+
+
+def plans(host, device, kernel: str, variant: str) -> list[LaunchPlan]:
+    """One single-config plan per tuning config, built as dispatch builds plans."""
+    v = host.registry.variants[kernel][variant]
+    configs = host.call("pk_tuning_configs", firstresult=True, kernel=kernel, variant=v,
+                        device=device)
+    if configs is None:
+        configs = v.configs(device) if v.configs is not None else []
+    switches = dict(v.switches)
+    switches.update(host.call("pk_variant_switches", firstresult=True, kernel=kernel,
+                              variant=v, device=device) or {})
+    return [LaunchPlan(v, device, [cfg], switches) for cfg in configs]
+
+
+def _label(cfg: triton.Config, keys: tuple[str, ...]) -> str:
+    tile = "x".join(str(cfg.kwargs[k]) for k in keys if k in cfg.kwargs)
+    extra = "".join(f" {k.lower()}={cfg.kwargs[k]}" for k in ("SPLIT_K", "EPILOGUE_SUBTILE")
+                    if cfg.kwargs.get(k))
+    return f"{tile} w{cfg.num_warps} s{cfg.num_stages}{extra}"
+
+
+def _first_per_class(plan_list: list[LaunchPlan]) -> list[LaunchPlan]:
+    seen, out = set(), []
+    for p in plan_list:
+        row = p.configs[0].kwargs.get("ROW_BYTES_MAX", math.inf)
+        if row not in seen:
+            seen.add(row)
+            out.append(p)
+    return out
+
+
+def flash_attn_cases(host, device, quick: bool):
+    from portable_kernels.kernels import flash_attn as fa
+
+    dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
+    for variant in ("nvidia.hopper", "generic"):
+        plan_list = plans(host, device, "flash_attn", variant)
+        if quick:
+            plan_list = _first_per_class(plan_list)
+        for plan in plan_list:
+            cfg = plan.configs[0]
+            row = cfg.kwargs.get("ROW_BYTES_MAX", 2048)
+            # The widest head dim of the row class, in each dtype the class serves.
+            for dtype in dtypes + ([] if variant == "nvidia.hopper" or quick else [torch.float32]):
+                d = min(256, row // torch.empty(0, dtype=dtype).element_size())
+                if variant == "nvidia.hopper" and d not in fa.TMA_HEAD_DIMS:
+                    continue
+                for causal in (False, True):
+                    name = (f"flash_attn/{variant} {_label(cfg, ('BLOCK_M', 'BLOCK_N'))} "
+                            f"{str(dtype)[6:]} D={d} {'causal' if causal else 'full'}")
+                    q, k, v, do = (torch.empty(1, 2, 256, d, dtype=dtype) for _ in range(4))
+                    scale = 1.0 / math.sqrt(d)
+
+                    def launch(plan=plan, q=q, k=k, v=v, do=do, causal=causal, scale=scale):
+                        out, lse = fa._forward(plan, q, k, v, causal, scale)
+                        fa._backward(plan, do, q, k, v, out, lse, causal, scale)
+
+                    yield name, launch
+
+
+def matmul_cases(host, device, quick: bool):
+    from portable_kernels.kernels import matmul as mm
+
+    dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
+    for variant in ("nvidia.persistent_tma", "generic"):
+        plan_list = plans(host, device, "matmul", variant)
+        if quick:
+            plan_list = plan_list[:1] + [p for p in plan_list if p.configs[0].kwargs.get("SPLIT_K", 1) > 1][:1]
+        for plan in plan_list:
+            for dtype in dtypes:
+                name = (f"matmul/{variant} "
+                        f"{_label(plan.configs[0], ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} "
+                        f"{str(dtype)[6:]}")
+                a, b = torch.empty(512, 512, dtype=dtype), torch.empty(512, 512, dtype=dtype)
+                yield name, (lambda plan=plan, a=a, b=b: mm.launch(plan, a, b))
+
+
+def grouped_matmul_cases(host, device, quick: bool):
+    from portable_kernels.kernels import grouped_matmul as gmm
+
+    for variant in ("nvidia.tma", "generic"):
+        plan_list = plans(host, device, "grouped_matmul", variant)
+        if quick:
+            plan_list = plan_list[:1]
+        for plan in plan_list:
+            name = (f"grouped_matmul/{variant} "
+                    f"{_label(plan.configs[0], ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} float16")
+            la = [torch.empty(m, 256, dtype=torch.float16) for m in (64, 128, 256)]
+            lb = [torch.empty(256, 128, dtype=torch.float16) for _ in la]
+            yield name, (lambda plan=plan, la=la, lb=lb: gmm.launch(plan, la, lb))
+
+
+FAMILIES = {"flash_attn": flash_attn_cases, "matmul": matmul_cases,
+            "grouped_matmul": grouped_matmul_cases}
+
+
+def markdown(rows: list[Row], header: str) -> str:
+    lines = [header, "", "| case | kernel | shared KB | registers | local B | |",
+             "|:--|:--|--:|--:|--:|:--|"]
+    for r in rows:
+        lines.append(f"| {r.case} | {r.kernel} | {r.shared / 1024:.0f} | "
+                     f"{'' if r.regs is None else r.regs} | {'' if r.local is None else r.local} | "
+                     f"{r.error} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fp16, one config per row class")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--markdown", default=None, help="write the table here")
+    args = parser.parse_args()
+
+    host = plugins.host()
+    device = host.emulation_profile(PROFILE)
+    compiler = Compiler(device.shared_memory)
+    real_run = jit.JITFunction.run
+
+    def intercept(self, *a, grid, warmup, **kw):
+        compiler.run(self, a, kw)
+
+    jit.JITFunction.run = intercept
+    start = time.time()
+    try:
+        for family in args.families.split(","):
+            for name, launch in FAMILIES[family](host, device, args.quick):
+                compiler.case = name
+                before = len(compiler.rows)
+                try:
+                    launch()
+                except Exception as exc:  # a launcher failing before any kernel compiled
+                    compiler.rows.append(Row(name, "(launcher)",
+                                             error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+                if len(compiler.rows) == before:
+                    compiler.rows.append(Row(name, "(none)", error="no kernel was launched"))
+                print(f"{time.time() - start:6.0f}s {name}", flush=True)
+    finally:
+        jit.JITFunction.run = real_run
+
+    rows = compiler.rows
+    header = (f"sm_90 compile check · triton {triton.__version__} · {len(rows)} kernels · "
+              f"shared memory limit {device.shared_memory} B ({device.name} profile)")
+    table = markdown(rows, header)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    failed = [r for r in rows if r.error]
+    spills = [r for r in rows if r.local]
+    print("\n" + header)
+    print(f"compiled {len(rows) - len(failed)} of {len(rows)} in {time.time() - start:.0f} s; "
+          f"largest shared memory {max((r.shared for r in rows), default=0) / 1024:.0f} KB; "
+          f"{len(spills)} with local memory (spills)")
+    for r in spills:
+        print(f"  local memory {r.local} B/thread: {r.case} {r.kernel}")
+    for r in failed:
+        print(f"FAILED {r.case} {r.kernel}: {r.error}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
