@@ -1,0 +1,91 @@
+"""The GPU tools' building blocks, run under whatever executes kernels here (the interpreter
+on a CPU), so that they do not rot between GPU sessions: the tile sweep's kernel launches
+against autograd, and the autotuner's timer falling back when graph capture fails."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import portable_kernels as pk  # noqa: F401  (chooses the interpreter first)
+from portable_kernels import launch
+from portable_kernels.testing import assert_close, tolerance
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_pk_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_sweep_launches_compute_the_gradients(tma, device, monkeypatch):
+    """Each kernel the sweep times alone, at a tile it sweeps, gives what autograd gives."""
+    sweep = _load("flash_attn_sweep")
+    monkeypatch.setattr(sweep, "DEVICE", str(device))
+    causal, d = True, 64
+    st = sweep.state(1, 2, 70, d, torch.float16, causal, seed=3)
+    q, k, v, do = st[:4]
+    out = sweep.run("fwd", (64, 64, 4, 3), tma, causal, *st)
+    dkdv = sweep.run("dkdv", (32, 64, 4, 3), tma, causal, *st)
+    dq = sweep.run("dq", (64, 64, 4, 2), tma, causal, *st)
+
+    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    grads = torch.autograd.grad(ref, leaves, do.cpu().double())
+    tol = tolerance(torch.float16, "attention")
+    assert_close(out, ref, tol, "forward")
+    scaled = type(tol)(tol.atol * 4, tol.rtol)  # gradients are sums over the sequence
+    assert_close(dq, grads[0], scaled, "dq")
+    assert_close(dkdv, torch.cat(grads[1:]), scaled, "dk, dv")
+
+
+def test_sweep_candidates_fit_the_registers():
+    sweep = _load("flash_attn_sweep")
+
+    class Args:
+        dims, quick = [64, 128], False
+
+    cands = sweep.candidates(Args)
+    assert {c[0] for c in cands} == {"fwd", "dkdv", "dq"}
+    assert all(sweep.fits(kernel, tile, d) for kernel, d, _, _, tile in cands)
+    # dk/dv holds two fp32 accumulators of BLOCK_N x D: 128 keys at D=128 need 8 warps.
+    assert not sweep.fits("dkdv", (32, 128, 4, 3), 128) and sweep.fits("dkdv", (32, 128, 8, 3), 128)
+
+
+def test_autotuner_timer_falls_back_when_capture_fails(monkeypatch):
+    calls = []
+
+    def graph_bench(fn, quantiles=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def plain_bench(fn, quantiles=None):
+        fn()
+        calls.append("do_bench")
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(launch.triton.testing, "do_bench_cudagraph", graph_bench)
+    monkeypatch.setattr(launch.triton.testing, "do_bench", plain_bench)
+    ran = []
+    assert launch._bench_replayed(lambda: ran.append(1), quantiles=(0.5,)) == [1.0, 1.0, 1.0]
+    assert calls == ["do_bench"] and len(ran) == 2  # a first call outside any capture, then do_bench's
+
+
+def test_autotuner_timer_lets_compile_errors_through(monkeypatch):
+    """The first call runs outside the timers, so a config that fails to compile raises
+    what the autotuner catches (it marks the config infinitely slow)."""
+    monkeypatch.setattr(launch.triton.testing, "do_bench_cudagraph",
+                        lambda fn, quantiles=None: pytest.fail("timed a failing config"))
+
+    def failing():
+        raise ValueError("out of resources")
+
+    with pytest.raises(ValueError, match="out of resources"):
+        launch._bench_replayed(failing)
