@@ -68,10 +68,10 @@ registers, with no per-query-head buffers); the dq kernel runs one program per `
 queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the gradient of the scaled
 scores, hence the final ``· sm_scale`` on dq and dk. Each kernel holds one block and
 streams the other, so each has its own tile: dk/dv holds keys and streams few queries, dq
-holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq tile
-ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA, every tile of both kernels moves
-through descriptors; an incoming gradient they cannot describe (autograd may hand over an
-expanded or strided view) is copied once first. The loops are software-pipelined, not
+holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq
+tile ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA, every tile of both
+kernels moves through descriptors; an incoming gradient they cannot describe (autograd may
+hand over an expanded or strided view) is copied once first. The loops are software-pipelined, not
 warp-specialized (the dk/dv kernel's loop nest is outside what triton 3.6 specializes for
 sm_90).
 
@@ -535,9 +535,9 @@ def _flash_attn_bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_src = _head_source(Q, b, h, stride_qb, stride_qh,
-                            N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
+                             N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
         do_src = _head_source(DO, b, h, stride_dob, stride_doh,
-                             N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
+                              N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
         row = (b * H + h).to(tl.int64) * N_Q
         for start_m in range(lo, N_Q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -560,9 +560,9 @@ def _flash_attn_bwd_dkdv_kernel(
 
     # --- write-back (rows past Nk dropped) ---
     dk_dst = _head_source(DK, b, hk, stride_dkb, stride_dkh,
-                         N_K, stride_dkn, D, BLOCK_N, BLOCK_D, TMA)
+                          N_K, stride_dkn, D, BLOCK_N, BLOCK_D, TMA)
     dv_dst = _head_source(DV, b, hk, stride_dvb, stride_dvh,
-                         N_K, stride_dvn, D, BLOCK_N, BLOCK_D, TMA)
+                          N_K, stride_dvn, D, BLOCK_N, BLOCK_D, TMA)
     _write_seq_tile(dk_dst, dk * sm_scale, start_n, 0, offs_n, offs_d, stride_dkn, stride_dkd,
                     N_K, D, PAD_D, False, TMA)
     _write_seq_tile(dv_dst, dv, start_n, 0, offs_n, offs_d, stride_dvn, stride_dvd, N_K, D,
@@ -594,7 +594,7 @@ def _flash_attn_bwd_dq_kernel(
     v_src = _head_source(V, b, hk, stride_vb, stride_vh, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
     q_src = _head_source(Q, b, h, stride_qb, stride_qh, N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
     do_src = _head_source(DO, b, h, stride_dob, stride_doh,
-                         N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
+                          N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
     q = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
                        True, PAD_D, False, UPCAST, TMA)
     do = _read_seq_tile(do_src, start_m, 0, offs_m, offs_d, stride_dom, stride_dod, N_Q, D,
@@ -624,7 +624,7 @@ def _flash_attn_bwd_dq_kernel(
 
     # --- write-back ---
     dq_dst = _head_source(DQ, b, h, stride_dqb, stride_dqh,
-                         N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, TMA)
+                          N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, TMA)
     _write_seq_tile(dq_dst, dq * sm_scale, start_m, 0, offs_m, offs_d, stride_dqm, stride_dqd,
                     N_Q, D, PAD_D, False, TMA)
 
