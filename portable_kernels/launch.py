@@ -127,6 +127,13 @@ class LaunchPlan:
         if config is not None and config.pre_hook is None:
             self._chosen[(tuned, problem_key)] = (tuned.fn, config.all_kwargs())
 
+    def chosen(self, tuned: Any, problem_key: Any) -> dict[str, Any] | None:
+        """The config keywords :meth:`run_tuned` launches ``problem_key`` with once it is
+        tuned (``None`` before, or for configs with a ``pre_hook``), so that a launcher can
+        size per-call buffers for the config that runs rather than for every candidate."""
+        chosen = self._chosen.get((tuned, problem_key))
+        return None if chosen is None else chosen[1]
+
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """A per-plan memo for launchers (e.g. block sizes derived from the config)."""
         value = self._tuned.get(key)

@@ -263,6 +263,51 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero(device, gen, monke
     assert len(counters) == 4 and not any(c.any() for c in counters)
 
 
+def test_tuned_unsplit_problems_allocate_no_workspace(device, gen, monkeypatch, tmp_path):
+    """Before tuning, a problem some candidate splits gets a split-K workspace; once the
+    autotuner has chosen an unsplit config, its launches allocate and zero nothing."""
+    monkeypatch.setenv("PK_CACHE_DIR", str(tmp_path))  # no tuning results from elsewhere
+    a = _rand(gen, 64, 256, dtype=torch.float16, device=device)
+    b = _rand(gen, 256, 64, dtype=torch.float16, device=device)
+    with pk.use_variant(matmul="generic"):
+        base = dispatch._launch_plan(pk.explain("matmul", a, b))
+    c = base.configs[0]
+    split, unsplit = (triton.Config({**c.kwargs, "BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64,
+                                     "BLOCK_SIZE_K": 32, "SPLIT_K": s},
+                                    num_warps=c.num_warps, num_stages=c.num_stages) for s in (2, 1))
+    plan = pk.LaunchPlan(base.variant, base.device, [split, unsplit], base.switches)
+    timed = []
+
+    def do_bench(kernel_call, quantiles=None):  # the config timed last wins: unsplit
+        timed.append(1)
+        kernel_call()
+        return [1.0 / len(timed)] * 3
+
+    # The launcher's autotuner is built once per plan: build it first, with this timer.
+    plan.autotuned(matmul_module._matmul_kernel, key=["M", "N", "K", "A_T", "B_T"],
+                   do_bench=do_bench, prune_configs_by={"early_config_prune": lambda configs, nargs, **kw:
+                                                          matmul_module.candidates(configs, 64, 64, 256, 2)})
+    zeros, counters = torch.zeros, []
+
+    def spy(*args, **kwargs):
+        t = zeros(*args, **kwargs)
+        if t.dtype == torch.int32:
+            counters.append(t.numel())
+        return t
+
+    monkeypatch.setattr(torch, "zeros", spy)
+    allocated = []
+    for _ in range(4):
+        _check(matmul_module.launch(plan, a, b), a, b)
+        allocated.append(len(counters))
+    assert len(timed) == 2  # both candidates were timed, once
+    assert plan.chosen(plan.autotuned(matmul_module._matmul_kernel, key=[]),
+                       (64, 64, 256, False, False, torch.float16))["SPLIT_K"] == 1
+    # The untuned first launch allocates the workspace; the second the plan's one-element
+    # stand-ins for unsplit kernels (kept); later launches nothing.
+    assert allocated == [1, 2, 2, 2]
+
+
 def test_split_k_pruning():
     # What the autotuner may pick on an H100/H200 (132 SMs): split configs only where the
     # output's tiles are too few, and the workspace the launcher allocates for them.

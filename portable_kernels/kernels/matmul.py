@@ -353,9 +353,19 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a_t = tma and a.stride(0) == 1 and a.stride(1) != 1
     b_t = tma and b.stride(0) == 1 and b.stride(1) != 1
 
-    # --- split-K workspace, when a config the autotuner may pick splits K ---
-    slices, tiles = plan.cached(("matmul.split_k", M, N, K),
-                                lambda: _split_workspace(plan.configs, M, N, K, num_sms))
+    # --- split-K workspace: for the config tuned for this problem, or before tuning for
+    # any config the autotuner may pick that splits K ---
+    # (M, N, K, A_T, B_T) and the dtype are the autotuner's whole key.
+    problem_key = (M, N, K, a_t, b_t, a.dtype)
+    chosen = plan.chosen(kernel, problem_key)
+    if chosen is None:
+        slices, tiles = plan.cached(("matmul.split_k", M, N, K),
+                                    lambda: _split_workspace(plan.configs, M, N, K, num_sms))
+    elif chosen.get("SPLIT_K", 1) > 1:
+        slices = chosen["SPLIT_K"]
+        tiles = _cdiv(M, chosen["BLOCK_SIZE_M"]) * _cdiv(N, chosen["BLOCK_SIZE_N"])
+    else:
+        slices = tiles = 0  # tuned to an unsplit config: no per-call allocation, no zeroing
     if slices:
         partials = torch.empty((slices, M, N), dtype=torch.float32, device=a.device)
         counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
@@ -366,9 +376,8 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             torch.empty(1, dtype=torch.float32, device=a.device),
             torch.zeros(1, dtype=torch.int32, device=a.device)))
     with _host.scratch_allocator(a.device) if tma else contextlib.nullcontext():
-        # (M, N, K, A_T, B_T) and the dtype are the autotuner's whole key.
         plan.run_tuned(
-            kernel, (M, N, K, a_t, b_t, a.dtype), grid,
+            kernel, problem_key, grid,
             a, b, out, partials, counters, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             A_T=a_t, B_T=b_t, **switches,
