@@ -79,14 +79,17 @@ def ours(variant: str, q, k, v, causal):
     return run, plan
 
 
-def tuning_record(plan, timings_before) -> dict:
-    """The hopper forward's chosen config and, when this row tuned it (not the tuning
-    cache), every candidate's median time (ms)."""
+def tuning_record(plan, q, k, causal, timings_before) -> dict:
+    """The hopper forward's chosen config for this row's problem and, when this row tuned
+    it (not the tuning cache), every candidate's median time (ms)."""
     tuner = fa._autotuned_forward(plan)
-    best = getattr(tuner, "best_config", None)
+    # Asked by problem key (the launcher's): a tuned problem skips the autotuner, so its
+    # best_config may be another problem's.
+    key = (fa._bucket(q.shape[2], k.shape[2]), fa._block_d(q.shape[-1]), causal, q.dtype)
+    best = plan.chosen(tuner, key)
     timings = getattr(tuner, "configs_timings", None)
     fresh = timings is not None and timings is not timings_before
-    return {"best": "" if best is None else str(best),
+    return {"best": "" if best is None else ", ".join(f"{n}: {v}" for n, v in best.items()),
             "candidates": [{"config": str(c), "ws": bool(c.kwargs.get("WARP_SPECIALIZE")),
                             "ms": t[0] if isinstance(t, (list, tuple)) else t}
                            for c, t in (timings.items() if fresh else ())]}
@@ -167,7 +170,7 @@ def bench_row(b, h, n, d, causal, dtype) -> dict:
                 row["error"][name] = wrong
                 continue
         if name == "hopper":
-            row["tuning"] = tuning_record(plans[name], timings_before)
+            row["tuning"] = tuning_record(plans[name], q, k, causal, timings_before)
         del out, grads
         ms_fwd = triton.testing.do_bench(lambda: fn(q, k, v, causal), return_mode="median")
         out = fn(q, k, v, causal)

@@ -103,11 +103,16 @@ class Ours:
         return {name: out[name] for name in OURS}
 
 
-def best_config(plan: LaunchPlan) -> str:
-    """The config the plan's autotuner chose last (it ran just before)."""
+def best_config(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor) -> str:
+    """The config the plan's autotuner chose for ``a @ b`` (row-major operands). Asked by
+    problem: after its first call a problem skips the autotuner, whose ``best_config`` is
+    then another problem's."""
     tuned = plan.autotuned(matmul_module._matmul_kernel, key=[])  # the cached autotuner
-    config = getattr(tuned, "best_config", None)
-    return "" if config is None else str(config)
+    m, k = a.shape
+    chosen = plan.chosen(tuned, (m, b.shape[1], k, False, False, a.dtype))
+    if chosen is None:
+        return ""
+    return ", ".join(f"{key}: {value}" for key, value in chosen.items())
 
 
 def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
@@ -149,7 +154,7 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
             row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
         if name in plans:
-            row["config"][name] = best_config(plans[name])
+            row["config"][name] = best_config(plans[name], a, b)
         err, ratio_ = max_error(out, ref, tol)
         if not ratio_ <= 1.0:
             row["error"][name] = f"WRONG: max abs error {err:.3g} ({ratio_:.3g}x {tol})"

@@ -89,3 +89,33 @@ def test_autotuner_timer_lets_compile_errors_through(monkeypatch):
 
     with pytest.raises(ValueError, match="out of resources"):
         launch._bench_replayed(failing)
+
+
+def test_benches_report_the_config_of_each_problem(device, gen):
+    """The benches ask the plan which config a problem runs with (a tuned problem skips the
+    autotuner, whose own best_config may be another problem's)."""
+    from portable_kernels import dispatch
+    from portable_kernels.kernels import flash_attn as fa
+    from portable_kernels.kernels import matmul as mm
+
+    bench_mm = _load("matmul")
+    a = torch.randn(64, 32, generator=gen).half().to(device)
+    b = torch.randn(32, 48, generator=gen).half().to(device)
+    with pk.use_variant(matmul="generic"):
+        base = dispatch._launch_plan(pk.explain("matmul", a, b))
+    plan = pk.LaunchPlan(base.variant, base.device, base.configs[:1], base.switches)
+    assert bench_mm.best_config(plan, a, b) == ""  # not launched yet
+    mm.launch(plan, a, b)
+    cfg = plan.configs[0]
+    assert bench_mm.best_config(plan, a, b).startswith(f"BLOCK_SIZE_M: {cfg.kwargs['BLOCK_SIZE_M']}")
+    assert bench_mm.best_config(plan, a[:32], b) == ""  # another problem
+
+    bench_fa = _load("flash_attn")
+    q = torch.randn(1, 2, 40, 64, generator=gen).half().to(device)
+    with pk.use_variant(flash_attn="nvidia.hopper"):
+        base = pk.get_kernel("flash_attn").plan(q, q, q)
+    plan = pk.LaunchPlan(base.variant, base.device, base.configs[:1], base.switches)
+    fa.launch(plan, q, q, q, causal=True)
+    record = bench_fa.tuning_record(plan, q, q, True, None)
+    assert f"BLOCK_M: {plan.configs[0].kwargs['BLOCK_M']}" in record["best"]
+    assert bench_fa.tuning_record(plan, q, q, False, None)["best"] == ""  # not launched
