@@ -57,7 +57,6 @@ class Row:
     shared: int = 0
     regs: int | None = None
     local: int | None = None      # STACK + LOCAL bytes per thread: spills and local arrays
-    seconds: float = 0.0
     error: str = ""
 
 
@@ -79,7 +78,6 @@ class Compiler:
             binder = self._binders[fn] = jit.create_function_from_signature(
                 fn.signature, fn.params, self.backend)
         row = Row(self.case, fn.__name__)
-        start = time.time()
         try:
             bound, specialization, options = binder(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(
@@ -92,7 +90,6 @@ class Compiler:
                 row.error = f"shared memory {row.shared} B > {self.shared_limit} B"
         except Exception as exc:  # recorded; the summary fails the run
             row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
-        row.seconds = time.time() - start
         self.rows.append(row)
 
     def _resource_usage(self, compiled) -> tuple[int | None, int | None]:
