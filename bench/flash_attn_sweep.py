@@ -3,18 +3,21 @@
 For each head dim and causal setting, at one (B, H, N) and fp16 or bf16, it times:
 
 - the forward kernel (through ``flash_attn._forward`` on a one-config plan), with tensor
-  descriptors (``TMA``, the ``nvidia.hopper`` path) and with pointer loads (``generic``);
+  descriptors (``tma``, the ``nvidia.hopper`` path), with pointer loads (``ptr``, the
+  ``generic`` one) and with descriptors in the warp-specialized loop (``ws``, over its own
+  short list of tiles: Triton specializes only 4-warp programs for sm_90);
 - the dk/dv and the dq backward kernels (``_launch_dkdv``, ``_launch_dq``), with and without
   descriptors, each over its own grid of (BLOCK_M, BLOCK_N, warps, stages);
 
 and SDPA (cuDNN backend) forward and backward at the same shape for scale. Every candidate
-is checked against the reference kernels' output (the generic variant's first config) before
-it is timed. Compiling a few hundred kernels one after another takes minutes, so a pool of
+is checked against a reference kernel's output (pointer loads, 64 x 64 tiles) before it is
+timed, at the timed shape and, for the forward, at a ragged one (N = 200: partial tiles). Compiling a few hundred kernels one after another takes minutes, so a pool of
 processes compiles them first, on small inputs with the same specializations, into Triton's
 on-disk cache; the timing process then loads them.
 
     python bench/flash_attn_sweep.py [--dims 64,128] [--n 4096] [--batch 4] [--heads 32]
                                      [--dtype fp16] [--jobs 12] [--out PREFIX] [--quick]
+                                     [--kernels fwd,dkdv,dq]
 
 Prints, per (D, causal) and kernel, the fastest settings and their TFLOP/s; writes every
 timing to ``PREFIX.json``. This is a tuning tool: its winners go into the NVIDIA backend's
@@ -48,6 +51,8 @@ DEVICE = "cuda"
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 FWD = [(128, 64, 4, s) for s in (2, 3, 4)] + [(128, 64, 8, s) for s in (2, 3, 4)] \
     + [(128, 128, 8, s) for s in (2, 3)] + [(128, 128, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
+# The warp-specialized loop: a producer warpgroup and two consumer warpgroups of 64 rows.
+FWD_WS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2)]
 # dk/dv: BLOCK_N keys held, BLOCK_M queries streamed.
 DKDV = [(32, 128, 4, s) for s in (2, 3, 4, 5)] + [(32, 128, 8, s) for s in (2, 3)] \
     + [(64, 128, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
@@ -57,6 +62,7 @@ DQ = [(128, 32, 4, s) for s in (2, 3, 4, 5)] + [(128, 32, 8, s) for s in (2, 3)]
     + [(128, 64, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
     + [(64, 32, 4, s) for s in (3, 5)] + [(128, 16, 4, 4), (128, 64, 4, 2), (32, 128, 8, 2)]
 QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4]}
+PATHS = {"fwd": ("tma", "ptr", "ws"), "dkdv": ("tma", "ptr"), "dq": ("tma", "ptr")}
 
 
 def fits(kernel: str, tile, d: int) -> bool:
@@ -68,12 +74,12 @@ def fits(kernel: str, tile, d: int) -> bool:
 
 
 def candidates(args) -> list[tuple]:
-    """Every (kernel, d, causal, tma, tile) to compile and time."""
+    """Every (kernel, d, causal, path, tile) to compile and time."""
     grids = QUICK if args.quick else {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
-    return [(kernel, d, causal, tma, tile)
-            for kernel, tiles in grids.items()
-            for d in args.dims for causal in (False, True) for tma in (True, False)
-            for tile in tiles if fits(kernel, tile, d)]
+    return [(kernel, d, causal, path, tile)
+            for kernel in args.kernels
+            for d in args.dims for causal in (False, True) for path in PATHS[kernel]
+            for tile in (FWD_WS if path == "ws" else grids[kernel]) if fits(kernel, tile, d)]
 
 
 def inputs(b, h, n, d, dtype, seed=0):
@@ -91,24 +97,26 @@ def base_plan(q) -> LaunchPlan:
 _PLANS: dict = {}
 
 
-def fwd_plan(base: LaunchPlan, tile, tma: bool) -> LaunchPlan:
+def fwd_plan(base: LaunchPlan, tile, path: str) -> LaunchPlan:
     """A one-config plan (kept, so that timing loops do not build autotuners)."""
-    plan = _PLANS.get((id(base), tile, tma))
+    plan = _PLANS.get((id(base), tile, path))
     if plan is None:
         bm, bn, warps, stages = tile
-        cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-        plan = _PLANS[(id(base), tile, tma)] = LaunchPlan(
-            base.variant, base.device, [cfg], {**base.switches, "TMA": tma})
+        cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": path == "ws"},
+                            num_warps=warps, num_stages=stages)
+        plan = _PLANS[(id(base), tile, path)] = LaunchPlan(
+            base.variant, base.device, [cfg], {**base.switches, "TMA": path != "ptr"})
     return plan
 
 
-def run(kernel, tile, tma, causal, q, k, v, do, out, lse, delta, base):
+def run(kernel, tile, path, causal, q, k, v, do, out, lse, delta, base):
     """One launch of the candidate; returns its output(s)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     bm, bn, warps, stages = tile
     opts = {"num_warps": warps, "num_stages": stages}
+    tma = path != "ptr"
     if kernel == "fwd":
-        return fa._forward(fwd_plan(base, tile, tma), q, k, v, causal, scale)[0]
+        return fa._forward(fwd_plan(base, tile, path), q, k, v, causal, scale)[0]
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
         if kernel == "dkdv":
             dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -129,12 +137,18 @@ def state(b, h, n, d, dtype, causal, seed=0):
     return q, k, v, do, out, lse, delta, base
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude (NaN: inf)."""
+    err = float((out.float() - ref).abs().max() / ref.abs().max())
+    return err if math.isfinite(err) else math.inf
+
+
 def compile_one(cand, dtype_name) -> str:
     """Worker: compile one candidate into the disk cache with a small launch."""
-    kernel, d, causal, tma, tile = cand
+    kernel, d, causal, path, tile = cand
     try:
         st = state(1, 2, 256, d, DTYPES[dtype_name], causal)
-        run(kernel, tile, tma, causal, *st)
+        run(kernel, tile, path, causal, *st)
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # reported, and the candidate is skipped
@@ -170,8 +184,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=12, help="compile processes")
     parser.add_argument("--out", default="flash-attn-sweep")
     parser.add_argument("--quick", action="store_true", help="four candidates per kernel")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="which of fwd, dkdv, dq")
     args = parser.parse_args()
     args.dims = [int(x) for x in args.dims.split(",")]
+    args.kernels = [x for x in args.kernels.split(",") if x]
+    if not set(args.kernels) <= set(PATHS):
+        parser.error(f"--kernels: choose among {', '.join(PATHS)}")
     if not torch.cuda.is_available() or torch.version.hip:
         sys.exit("bench/flash_attn_sweep.py times kernels on an NVIDIA GPU; none here")
     dtype = DTYPES[args.dtype]
@@ -193,40 +211,48 @@ def main() -> None:
             st = state(b, h, n, d, dtype, causal, seed=2)
             base = st[-1]
             # References: pointer-load candidates of 64 x 64 tiles (compiled with the rest).
-            refs = {kernel: run(kernel, tile, False, causal, *st).float() for kernel, tile in
-                    (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 2)), ("dq", (64, 64, 4, 2)))}
+            refs = {kernel: run(kernel, tile, "ptr", causal, *st).float() for kernel, tile in
+                    (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 2)), ("dq", (64, 64, 4, 2)))
+                    if kernel in args.kernels}
+            # Partial tiles: the forward at N = 200 (the backward kernels share its masks).
+            ragged = state(1, 2, 200, d, dtype, causal, seed=3)
+            ragged_ref = run("fwd", (64, 64, 4, 3), "ptr", causal, *ragged).float()
             sdpa = sdpa_times(b, h, n, d, dtype, causal)
             f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
             print(f"\nD={d} causal={causal}: cuDNN fwd {f / sdpa['fwd'] * 1e-9:.0f} TFLOP/s, "
                   f"bwd {2.5 * f / sdpa['bwd'] * 1e-9:.0f} TFLOP/s ({sdpa['bwd']:.3f} ms)")
-            for kernel in ("fwd", "dkdv", "dq"):
+            for kernel in args.kernels:
                 timed = []
                 for cand in cands:
                     if cand[:3] != (kernel, d, causal) or cand in errors:
                         continue
-                    _, _, _, tma, tile = cand
+                    _, _, _, path, tile = cand
                     try:
-                        out = run(kernel, tile, tma, causal, *st).float()
-                        err = float((out - refs[kernel]).abs().max() / refs[kernel].abs().max())
+                        err = relative_error(run(kernel, tile, path, causal, *st), refs[kernel])
+                        if kernel == "fwd":
+                            err = max(err, relative_error(run(kernel, tile, path, causal, *ragged),
+                                                          ragged_ref))
                         if not err < 2e-2:
                             errors[cand] = f"WRONG: relative max error {err:.3g}"
                             continue
                         ms = triton.testing.do_bench(
-                            lambda: run(kernel, tile, tma, causal, *st), return_mode="median")
+                            lambda: run(kernel, tile, path, causal, *st), return_mode="median")
                     except Exception as exc:
                         errors[cand] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                         continue
                     tf = flops(kernel, b, h, n, d, causal) / ms * 1e-9
-                    timed.append((ms, tma, tile, tf))
-                    results.append({"kernel": kernel, "D": d, "causal": causal, "tma": tma,
+                    timed.append((ms, path, tile, tf))
+                    results.append({"kernel": kernel, "D": d, "causal": causal, "path": path,
                                     "tile": tile, "ms": ms, "tflops": tf})
                 timed.sort()
-                for ms, tma, tile, tf in timed[:4]:
-                    print(f"  {kernel:5s} {'tma' if tma else 'ptr'} BM,BN,w,s={tile}: "
+                for ms, path, tile, tf in timed[:4]:
+                    print(f"  {kernel:5s} {path:3s} BM,BN,w,s={tile}: "
                           f"{ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
-                best_ptr = min((t for t in timed if not t[1]), default=None)
-                if best_ptr and timed[0][1]:
-                    print(f"  {kernel:5s} best pointer-load: {best_ptr[2]} {best_ptr[0]:.3f} ms")
+                for path in PATHS[kernel]:  # the best of each path not shown above
+                    best = min((t for t in timed if t[1] == path), default=None)
+                    if best and best not in timed[:4]:
+                        print(f"  {kernel:5s} best {path}: {best[2]} {best[0]:.3f} ms "
+                              f"{best[3]:.0f} TFLOP/s")
             Path(args.out).with_suffix(".json").write_text(json.dumps(
                 {"shape": [b, h, n], "dtype": args.dtype, "results": results,
                  "errors": {str(k): v for k, v in errors.items()}}, indent=1))

@@ -25,17 +25,20 @@ def _load(name: str):
     return module
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-def test_sweep_launches_compute_the_gradients(tma, device, monkeypatch):
-    """Each kernel the sweep times alone, at a tile it sweeps, gives what autograd gives."""
+@pytest.mark.parametrize("path", ["ptr", "tma", "ws"])
+def test_sweep_launches_compute_the_gradients(path, device, monkeypatch):
+    """Each kernel the sweep times alone, at a tile it sweeps, gives what autograd gives
+    (``ws``: the forward's warp-specialized loop; the backward kernels take descriptors)."""
     sweep = _load("flash_attn_sweep")
     monkeypatch.setattr(sweep, "DEVICE", str(device))
     causal, d = True, 64
     st = sweep.state(1, 2, 70, d, torch.float16, causal, seed=3)
     q, k, v, do = st[:4]
-    out = sweep.run("fwd", (64, 64, 4, 3), tma, causal, *st)
-    dkdv = sweep.run("dkdv", (32, 64, 4, 3), tma, causal, *st)
-    dq = sweep.run("dq", (64, 64, 4, 2), tma, causal, *st)
+    assert sweep.fwd_plan(st[-1], (64, 64, 4, 3), path).configs[0].kwargs["WARP_SPECIALIZE"] \
+        == (path == "ws")
+    out = sweep.run("fwd", (64, 64, 4, 3), path, causal, *st)
+    dkdv = sweep.run("dkdv", (32, 64, 4, 3), path, causal, *st)
+    dq = sweep.run("dq", (64, 64, 4, 2), path, causal, *st)
 
     leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
     ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
@@ -51,10 +54,12 @@ def test_sweep_candidates_fit_the_registers():
     sweep = _load("flash_attn_sweep")
 
     class Args:
-        dims, quick = [64, 128], False
+        dims, quick, kernels = [64, 128], False, ["fwd", "dkdv", "dq"]
 
     cands = sweep.candidates(Args)
     assert {c[0] for c in cands} == {"fwd", "dkdv", "dq"}
+    assert {c[3] for c in cands if c[0] == "fwd"} == {"tma", "ptr", "ws"}
+    assert all(c[4] in sweep.FWD_WS for c in cands if c[3] == "ws")
     assert all(sweep.fits(kernel, tile, d) for kernel, d, _, _, tile in cands)
     # dk/dv holds two fp32 accumulators of BLOCK_N x D: 128 keys at D=128 need 8 warps.
     assert not sweep.fits("dkdv", (32, 128, 4, 3), 128) and sweep.fits("dkdv", (32, 128, 8, 3), 128)

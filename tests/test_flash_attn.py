@@ -144,15 +144,20 @@ def test_every_switch_combination(deferred, head_split, transposed, device, gen)
                  tolerance(torch.float32, "attention"))
 
 
-@pytest.mark.parametrize("blocks", [(32, 64, 64, 16), (64, 16, 16, 32)], ids=str)
-def test_tile_shapes_other_than_square(blocks, device, gen):
-    """Forward and backward tiles with BLOCK_M != BLOCK_N (the causal loop bounds and the
-    backward's own tiles), as GPU tuning tables use them."""
-    bm, bn, bwd_bm, bwd_bn = blocks
+@pytest.mark.parametrize("lengths", [(75, 90), (130, 61)], ids=["nq<nk", "nq>nk"])
+@pytest.mark.parametrize("blocks", [(32, 64, 64, 16, 64, 16), (64, 16, 16, 32, 16, 64),
+                                    (16, 32, 32, 64, 64, 32)], ids=str)
+def test_tile_shapes_other_than_square(blocks, lengths, device, gen):
+    """Forward, dk/dv and dq tiles with BLOCK_M != BLOCK_N (the causal loop bounds: the
+    unmasked blocks, then the diagonal and the tails) and of different shapes per kernel, as
+    GPU tuning tables use them, for more keys than queries and fewer."""
+    bm, bn, bwd_bm, bwd_bn, dq_bm, dq_bn = blocks
+    n_q, n_k = lengths
     leaves = [torch.randn(1, h, n, 40, generator=gen).to(device).requires_grad_()
-              for h, n in ((4, 75), (2, 90), (2, 90))]
+              for h, n in ((4, n_q), (2, n_k), (2, n_k))]
     plan = _plan(*leaves)
-    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd_bm, "BWD_BLOCK_N": bwd_bn},
+    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd_bm, "BWD_BLOCK_N": bwd_bn,
+                         "DQ_BLOCK_M": dq_bm, "DQ_BLOCK_N": dq_bn},
                         num_warps=plan.config.num_warps)
     plan = LaunchPlan(plan.variant, plan.device, [cfg], plan.switches)
     out = fa.launch(plan, *leaves, causal=True)
