@@ -66,12 +66,7 @@ per ``BLOCK_N`` keys of one K/V head and loops over the query heads of its group
 query blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are summed in fp32
 registers, with no per-query-head buffers); the dq kernel runs one program per ``BLOCK_M``
 queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the gradient of the scaled
-scores, hence the final ``· sm_scale`` on dq and dk. Like the forward, each kernel runs
-its loop in two stages through one helper, so that only the blocks that need it pay for a
-mask: dk/dv the query blocks on the causal diagonal, then the rest unmasked (rows past Nq
-have LSE = +inf, so P is 0 there; keys past Nk only touch their own, dropped, rows); dq the
-key blocks every query sees in full, then the diagonal and the Nk tail (there a hidden key's
-probability could overflow, so it is selected away). Each kernel holds one block and
+scores, hence the final ``· sm_scale`` on dq and dk. Each kernel holds one block and
 streams the other, so each has its own tile: dk/dv holds keys and streams few queries, dq
 holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq
 tile ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA, every tile of both
@@ -501,38 +496,6 @@ def _flash_attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(
-    dk, dv, k, v,                                 # running sums and this program's keys
-    q_src, do_src, lse_row, delta_row,            # one query head's sources and LSE/delta rows
-    stride_qm, stride_qd, stride_dom, stride_dod,
-    offs_n, offs_d, lo, hi, N_Q, N_K, D, qk_scale,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,  # blocks on the causal diagonal
-    PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-):
-    """dk and dv of the program's keys summed over the query blocks in ``[lo, hi)``."""
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        # The transposed orientation is natural here: Pᵀ [keys, queries] = exp(K·Qᵀ - LSE).
-        qT = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
-                            True, PAD_D, True, UPCAST, TMA)
-        do = _read_seq_tile(do_src, start_m, 0, offs_m, offs_d, stride_dom, stride_dod, N_Q,
-                            D, True, PAD_D, False, UPCAST, TMA)
-        # Rows past Nq get LSE = +inf so their probabilities are exactly 0. Keys past Nk need
-        # no mask: each key's dk and dv rows depend on that key alone, and those are dropped.
-        lse = tl.load(lse_row + offs_m, mask=offs_m < N_Q, other=float("inf"))
-        delta = tl.load(delta_row + offs_m, mask=offs_m < N_Q, other=0.0)
-        sT = tl.dot(k, qT) * qk_scale
-        pT = tl.math.exp2(sT - _per_query(lse * LOG2E, True))
-        if MASKED:
-            pT = tl.where(_visible(offs_m, offs_n, N_K, True, True), pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - _per_query(delta, True))
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
-    return dk, dv
-
-
-@triton.jit
 def _flash_attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,                          # pointers
     stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
@@ -561,14 +524,11 @@ def _flash_attn_bwd_dkdv_kernel(
                        True, PAD_D, False, UPCAST, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Causal: query blocks wholly above the diagonal (every i < start_n) see none of these
-    # keys; from diag_end on, every query sees all of them (no mask).
+    # Causal: query blocks wholly above the diagonal (every i < start_n) see none of these keys.
     if CAUSAL:
         lo = start_n // BLOCK_M * BLOCK_M
-        diag_end = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, N_Q)
     else:
         lo = 0
-        diag_end = 0
 
     # --- main loop: every query head of the GQA group, every query block ---
     # Summing the group here, in fp32 registers, is the GQA reduction of dk and dv.
@@ -579,15 +539,24 @@ def _flash_attn_bwd_dkdv_kernel(
         do_src = _head_source(DO, b, h, stride_dob, stride_doh,
                               N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
         row = (b * H + h).to(tl.int64) * N_Q
-        if CAUSAL:
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, q_src, do_src, Lse + row, Delta + row,
-                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
-                lo, diag_end, N_Q, N_K, D, qk_scale, BLOCK_M, True, PAD_D, UPCAST, TMA)
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_src, do_src, Lse + row, Delta + row,
-            stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
-            diag_end, N_Q, N_Q, N_K, D, qk_scale, BLOCK_M, False, PAD_D, UPCAST, TMA)
+        for start_m in range(lo, N_Q, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            # The transposed orientation is natural here: Pᵀ [keys, queries] = exp(K·Qᵀ - LSE).
+            qT = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
+                                True, PAD_D, True, UPCAST, TMA)
+            do = _read_seq_tile(do_src, start_m, 0, offs_m, offs_d, stride_dom, stride_dod, N_Q,
+                                D, True, PAD_D, False, UPCAST, TMA)
+            # Rows past Nq get LSE = +inf so their probabilities are exactly 0.
+            lse = tl.load(Lse + row + offs_m, mask=offs_m < N_Q, other=float("inf"))
+            delta = tl.load(Delta + row + offs_m, mask=offs_m < N_Q, other=0.0)
+            sT = tl.dot(k, qT) * qk_scale
+            pT = tl.math.exp2(sT - _per_query(lse * LOG2E, True))
+            if CAUSAL:
+                pT = tl.where(_visible(offs_m, offs_n, N_K, True, True), pT, 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - _per_query(delta, True))
+            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
 
     # --- write-back (rows past Nk dropped) ---
     dk_dst = _head_source(DK, b, hk, stride_dkb, stride_dkh,
@@ -598,31 +567,6 @@ def _flash_attn_bwd_dkdv_kernel(
                     N_K, D, PAD_D, False, TMA)
     _write_seq_tile(dv_dst, dv, start_n, 0, offs_n, offs_d, stride_dvn, stride_dvd, N_K, D,
                     PAD_D, False, TMA)
-
-
-@triton.jit
-def _bwd_dq_inner(
-    dq, q, do, lse2, delta,                       # running sum and this program's queries
-    k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, lo, hi, N_K, D, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,  # the causal diagonal and the Nk tail
-    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-):
-    """dq of the program's queries summed over the key blocks in ``[lo, hi)``."""
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
-                            MASKED, PAD_D, True, UPCAST, TMA)
-        vT = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
-                            MASKED, PAD_D, True, UPCAST, TMA)
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
-        if MASKED:
-            # A select, not a multiply: exp2 of a hidden key's score may overflow to inf.
-            p = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, False), p, 0.0)
-        dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
-    return dq
 
 
 @triton.jit
@@ -659,20 +603,24 @@ def _flash_attn_bwd_dq_kernel(
     delta = tl.load(Delta + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
     lse2 = lse * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    # --- key blocks every query of the tile sees in full (no mask), then diagonal and tail ---
     if CAUSAL:
-        full_end = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
         hi = tl.minimum(start_m + BLOCK_M, N_K)
     else:
-        full_end = N_K // BLOCK_N * BLOCK_N
         hi = N_K
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src,
-                       stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d,
-                       0, full_end, N_K, D, qk_scale, BLOCK_N, False, CAUSAL, PAD_D, UPCAST, TMA)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src,
-                       stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d,
-                       full_end, hi, N_K, D, qk_scale, BLOCK_N, True, CAUSAL, PAD_D, UPCAST, TMA)
+
+    # --- main loop over key blocks ---
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kT = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
+                            True, PAD_D, True, UPCAST, TMA)
+        vT = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
+                            True, PAD_D, True, UPCAST, TMA)
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
+        # A select, not a multiply: exp2 of a hidden key's score may overflow to inf.
+        p = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, False), p, 0.0)
+        dp = tl.dot(do, vT)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
 
     # --- write-back ---
     dq_dst = _head_source(DQ, b, h, stride_dqb, stride_dqh,
