@@ -128,6 +128,8 @@ def _label(cfg: triton.Config, keys: tuple[str, ...]) -> str:
     tile = "x".join(str(cfg.kwargs[k]) for k in keys if k in cfg.kwargs)
     extra = "".join(f" {k.lower()}={cfg.kwargs[k]}" for k in ("SPLIT_K", "EPILOGUE_SUBTILE")
                     if cfg.kwargs.get(k))
+    if cfg.kwargs.get("TMA") is False:  # a descriptor variant's pointer-load config
+        extra += " pointers"
     return f"{tile} w{cfg.num_warps} s{cfg.num_stages}{extra}"
 
 

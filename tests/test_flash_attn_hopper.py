@@ -193,7 +193,8 @@ def _table_cases(device):
 def _case_id(case) -> str:
     cfg, d = case
     return (f"D{d}-{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}-w{cfg.num_warps}"
-            f"-s{cfg.num_stages}-{'ws' if cfg.kwargs['WARP_SPECIALIZE'] else 'pipelined'}")
+            f"-s{cfg.num_stages}-{'ws' if cfg.kwargs['WARP_SPECIALIZE'] else 'pipelined'}"
+            f"{'' if cfg.kwargs.get('TMA', True) else '-pointers'}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -311,6 +312,20 @@ def test_sm90_table_is_consistent():
             assert first.kwargs["DQ_BLOCK_M"] >= 64
             assert fa._backward_blocks(first) == tuple(first.kwargs[k] for k in (
                 "BWD_BLOCK_M", "BWD_BLOCK_N", "DQ_BLOCK_M", "DQ_BLOCK_N"))
+
+
+def test_a_config_may_take_pointer_loads_for_the_forward():
+    """The forward autotunes among descriptor and pointer-load tiles (the sm_90 table has
+    both); the backward keeps the variant's descriptors."""
+    from portable_kernels_backends.nvidia import tuning
+
+    h200 = pk.plugins.host().emulation_profile("h200")
+    plan = LaunchPlan(_hopper_plan(DEVICE).variant, h200, tuning.flash_attn_hopper(h200),
+                      {**fa.SWITCHES, "TMA": True})
+    paths = {c.kwargs["TMA"] for c in fa._autotuned_forward(plan).configs}
+    assert paths == {True, False}
+    for cfg in plan.configs:
+        assert "TMA" not in fa._options(cfg) and "TMA" not in fa._options(cfg, "dq")
 
 
 def test_backward_options_per_kernel():

@@ -136,30 +136,32 @@ def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
 
 def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
     # nvidia.hopper, fp16/bf16 at D=64 (128-byte rows) and D=128 (256-byte rows). The
-    # forward autotunes among the configs of the tightest ROW_BYTES_MAX that fits (the
-    # four fastest descriptor-path tiles of bench/flash_attn_sweep.py on the H200); the
-    # backward takes the first config that fits, so each class leads with the sweep's
-    # fastest descriptor-path backward settings.
-    # No warp-specialized config: one masked loop that triton 3.6 splits into a TMA
-    # producer and two consumer warpgroups compiled, but computed wrong outputs (inf,
-    # errors of 0.5) on the H200 on 2026-11-29. Triton's own fused-attention tutorial runs
-    # its warp_specialize path on Blackwell only (its tests parametrize it on
-    # `is_blackwell()`), so on sm_90 this is untested compiler ground. The switch and the
-    # loop remain (tested under the interpreter) for later Triton releases.
-    def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes):
+    # forward autotunes among the configs of the tightest ROW_BYTES_MAX that fits: the
+    # fastest tiles of bench/flash_attn_sweep.py on the H200, through descriptors and, where
+    # a pointer-load tile (cp.async pipelining) timed faster (two sweeps on 2026-11-29 and
+    # 11-30: 128x64 with 8 warps at D=64, 2-6%; 128x128 with 8 warps at D=128, full), with
+    # pointer loads (TMA: False). The backward takes the first config that fits, so each
+    # class leads with the sweep's fastest descriptor-path backward settings.
+    # No warp-specialized config: triton 3.6's warp-specialized loop for sm_90 (a TMA
+    # producer and two consumer warpgroups) computed wrong outputs on the H200 for every
+    # causal tile and for 3 stages (inf, errors of 0.2-0.5), and where it was right (full,
+    # 2 stages) it ran 8-17% slower than the best pipelined tile (sweep of 2026-11-30).
+    # Triton's fused-attention tutorial runs warp_specialize on Blackwell only. The switch
+    # and the loop remain (tested under the interpreter) for later Triton releases.
+    def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes, tma=True):
         c = _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=row_bytes)
-        return triton.Config({**c.kwargs, "WARP_SPECIALIZE": False}, num_warps=warps,
-                             num_stages=stages)
+        return triton.Config({**c.kwargs, "TMA": tma, "WARP_SPECIALIZE": False},
+                             num_warps=warps, num_stages=stages)
 
     d64, d128 = (_DKDV_D64_TMA, _DQ_D64_TMA), (_DKDV_D128, _DQ_D128)
     return [
-        cfg(64, 128, 4, 2, *d64, 128),     # D=64
+        cfg(64, 128, 4, 2, *d64, 128),                # D=64
         cfg(128, 64, 4, 3, *d64, 128),
-        cfg(64, 64, 4, 3, *d64, 128),
-        cfg(128, 64, 4, 4, *d64, 128),
-        cfg(128, 64, 4, 2, *d128, 256),    # D=128
+        cfg(128, 64, 8, 3, *d64, 128, tma=False),
+        cfg(128, 64, 8, 4, *d64, 128, tma=False),
+        cfg(128, 64, 4, 2, *d128, 256),               # D=128
+        cfg(128, 128, 8, 3, *d128, 256, tma=False),
         cfg(128, 128, 8, 3, *d128, 256),
-        cfg(128, 128, 8, 2, *d128, 256),
         cfg(64, 64, 4, 3, *d128, 256),
     ]
 

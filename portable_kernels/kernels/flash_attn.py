@@ -51,6 +51,9 @@ Constexpr switches (each variant sets them all; see ``SWITCHES``):
         and 16-byte aligned addresses and strides; :func:`tma_accepts` sends other
         problems, fp32 and head dims other than 64 and 128 to the pointer path. Composes
         with the switches above (tested under the interpreter), though no variant does so.
+        A config of a descriptor variant may set ``TMA: False`` for its forward (see
+        ``_autotuned_forward``): on sm_90 some pointer-load tiles, pipelined through
+        cp.async, time faster than any descriptor tile.
     WARP_SPECIALIZE (nvidia.hopper; a config may set it, see ``_autotuned_forward``): the
         key loop is ``tl.range(..., warp_specialize=True)``: the compiler splits the program
         into a producer warpgroup issuing the K/V copies and consumer warpgroups doing the
@@ -83,8 +86,9 @@ kernel; default: the forward's), optional ``DQ_BLOCK_M``, ``DQ_BLOCK_N``, ``DQ_N
 fits in it; the launcher takes the first config that fits, else the last), ``num_warps``,
 ``num_stages``, and any other keyword (e.g. ``waves_per_eu`` on ROCm) goes to every launch
 as a compiler option. The TMA path autotunes its forward instead, among the configs of the
-tightest ``ROW_BYTES_MAX`` that fits (optional ``WARP_SPECIALIZE`` per config), keyed on
-the sequence-length bucket, D, causal and dtype; its backward takes the first that fits.
+tightest ``ROW_BYTES_MAX`` that fits (optional ``TMA`` and ``WARP_SPECIALIZE`` per
+config), keyed on the sequence-length bucket, D, causal and dtype; its backward takes the
+first that fits.
 """
 from __future__ import annotations
 
@@ -105,6 +109,8 @@ NAME = "flash_attn"
 #: variant); a variant overrides some of them.
 SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": False,
             "TMA": False, "WARP_SPECIALIZE": False}
+#: Switches a descriptor variant's config may set for its (autotuned) forward.
+_CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
 
 #: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
 #: padding, for which its sm_90 configs are compiled and tuned.
@@ -116,9 +122,9 @@ _LOG2E = 1.4426950408889634
 # Config keys the launcher reads itself; every other config kwarg is a compiler option.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
                         "BWD_NUM_STAGES", "DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS",
-                        "DQ_NUM_STAGES", "ROW_BYTES_MAX", "WARP_SPECIALIZE"})
+                        "DQ_NUM_STAGES", "ROW_BYTES_MAX", *_CONFIG_SWITCHES})
 # ... of which the forward kernel does not take these (the autotuned path drops them).
-_NOT_FORWARD_KEYS = _HOST_KEYS - {"BLOCK_M", "BLOCK_N", "WARP_SPECIALIZE"}
+_NOT_FORWARD_KEYS = _HOST_KEYS - {"BLOCK_M", "BLOCK_N", *_CONFIG_SWITCHES}
 # Sequence-length buckets below this are not autotuned: the first config that fits runs.
 # Such launches are short and few-programmed, so tuning would cost more than it gains.
 _TUNE_MIN_BUCKET = 512
@@ -792,15 +798,19 @@ def _autotuned_forward(plan):
     """The forward kernel autotuned among the plan's configs (descriptor path).
 
     Each config's forward part (``BLOCK_M``, ``BLOCK_N``, warps, stages, compiler options,
-    and ``WARP_SPECIALIZE``: a config may set it, else the variant's switch holds) is a
-    candidate, without the keys only the launcher reads; :func:`_candidates` prunes them per
-    problem. The backward keeps :func:`_config`'s choice.
+    and the ``_CONFIG_SWITCHES``: a config may set them, else the variant's switches hold)
+    is a candidate, without the keys only the launcher reads; :func:`_candidates` prunes
+    them per problem. The backward keeps :func:`_config`'s choice (and the variant's ``TMA``).
+
+    ``TMA`` is per config because the fastest forward tile on sm_90 is at some sizes a
+    pointer-load one (``bench/flash_attn_sweep.py``), so the autotuner weighs both; the
+    problem passed :func:`tma_accepts` either way.
 
     ``WARP_SPECIALIZE`` is per config because it works only with some warp counts: for
     sm_90, Triton 3.6 turns ``num_warps=4`` into a producer warpgroup and two consumer
     warpgroups of 64 query rows, and with 8 warps silently does not specialize, where the
     two-loop shape (unmasked blocks, then the diagonal) is the better one."""
-    ws = plan.switches.get("WARP_SPECIALIZE", False)
+    defaults = {name: plan.switches.get(name, False) for name in _CONFIG_SWITCHES}
 
     def build():
         # Forward candidates in the plan's order, each with the row classes it appears in
@@ -808,7 +818,7 @@ def _autotuned_forward(plan):
         classes: dict[triton.Config, set] = {}
         for cfg in plan.configs:
             kwargs = {k: v for k, v in cfg.kwargs.items() if k not in _NOT_FORWARD_KEYS}
-            kwargs.setdefault("WARP_SPECIALIZE", ws)
+            kwargs = {**defaults, **kwargs}
             fwd = triton.Config(kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 maxnreg=cfg.maxnreg)
             classes.setdefault(fwd, set()).add(cfg.kwargs.get("ROW_BYTES_MAX", math.inf))
@@ -839,11 +849,11 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
     args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             h, h // h_kv, n_q, n_k, d, scale * _LOG2E)
     if switches["TMA"]:
-        # Descriptor path: autotuned among the plan's tiles, each config setting
-        # WARP_SPECIALIZE (see _autotuned_forward); device-side descriptors need scratch
+        # Descriptor path: autotuned among the plan's tiles, each config setting the
+        # _CONFIG_SWITCHES (see _autotuned_forward); device-side descriptors need scratch
         # memory for the launch.
         tma_switches = plan.cached((NAME, "tma switches", block_d), lambda: {
-            name: value for name, value in switches.items() if name != "WARP_SPECIALIZE"})
+            name: value for name, value in switches.items() if name not in _CONFIG_SWITCHES})
         bucket = _bucket(n_q, n_k)
         with _host.scratch_allocator(q.device):
             # The autotuner's key: N_BUCKET, BLOCK_D, CAUSAL and the dtypes (Lse: fp32).
