@@ -109,6 +109,7 @@ def pk_register_variants(registry):
         description="Q/K/V/O tiles through device-side tensor descriptors (TMA), "
         "software-pipelined K/V loop (the warp-specialized loop is off on sm_90: wrong "
         "results with triton 3.6), causal split into unmasked and diagonal blocks, "
-        "autotuned tiles; backward kernels on descriptors too, with tiles of their own; "
+        "forward autotuned among descriptor and pointer-load (cp.async) tiles; backward "
+        "kernels on descriptors, with tiles of their own; "
         "fp16/bf16, D 64 or 128, 16-byte aligned strides (else generic, with the reason "
         "in explain)"))
