@@ -148,9 +148,9 @@ def test_every_switch_combination(deferred, head_split, transposed, device, gen)
 @pytest.mark.parametrize("blocks", [(32, 64, 64, 16, 64, 16), (64, 16, 16, 32, 16, 64),
                                     (16, 32, 32, 64, 64, 32)], ids=str)
 def test_tile_shapes_other_than_square(blocks, lengths, device, gen):
-    """Forward, dk/dv and dq tiles with BLOCK_M != BLOCK_N (the causal loop bounds: the
-    unmasked blocks, then the diagonal and the tails) and of different shapes per kernel, as
-    GPU tuning tables use them, for more keys than queries and fewer."""
+    """Forward, dk/dv and dq tiles with BLOCK_M != BLOCK_N (each kernel's causal loop
+    bounds and tails) and of different shapes per kernel, as GPU tuning tables use them,
+    for more keys than queries and fewer."""
     bm, bn, bwd_bm, bwd_bn, dq_bm, dq_bn = blocks
     n_q, n_k = lengths
     leaves = [torch.randn(1, h, n, 40, generator=gen).to(device).requires_grad_()

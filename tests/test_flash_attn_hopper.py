@@ -316,7 +316,7 @@ def test_sm90_table_is_consistent():
 
 def test_a_config_may_take_pointer_loads_for_the_forward():
     """The forward autotunes among descriptor and pointer-load tiles (the sm_90 table has
-    both); the backward keeps the variant's descriptors."""
+    both); ``TMA`` is the launcher's key, never passed on as a compiler option."""
     from portable_kernels_backends.nvidia import tuning
 
     h200 = pk.plugins.host().emulation_profile("h200")

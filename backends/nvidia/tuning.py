@@ -145,7 +145,7 @@ def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
     # No warp-specialized config: triton 3.6's warp-specialized loop for sm_90 (a TMA
     # producer and two consumer warpgroups) computed wrong outputs on the H200 for every
     # causal tile and for 3 stages (inf, errors of 0.2-0.5), and where it was right (full,
-    # 2 stages) it ran 8-17% slower than the best pipelined tile (sweep of 2026-11-30).
+    # 2 stages) it ran 7-17% slower than the best pipelined tile (sweep of 2026-11-30).
     # Triton's fused-attention tutorial runs warp_specialize on Blackwell only. The switch
     # and the loop remain (tested under the interpreter) for later Triton releases.
     def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes, tma=True):
