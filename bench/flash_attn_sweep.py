@@ -11,9 +11,10 @@ For each head dim and causal setting, at one (B, H, N) and fp16 or bf16, it time
 
 and SDPA (cuDNN backend) forward and backward at the same shape for scale. Every candidate
 is checked against a reference kernel's output (pointer loads, 64 x 64 tiles) before it is
-timed, at the timed shape and, for the forward, at a ragged one (N = 200: partial tiles). Compiling a few hundred kernels one after another takes minutes, so a pool of
-processes compiles them first, on small inputs with the same specializations, into Triton's
-on-disk cache; the timing process then loads them.
+timed, at the timed shape and, for the forward, at a ragged one (N = 200: partial tiles).
+Compiling a few hundred kernels one after another takes minutes, so a pool of processes
+compiles them first, on small inputs with the same specializations, into Triton's on-disk
+cache; the timing process then loads them.
 
     python bench/flash_attn_sweep.py [--dims 64,128] [--n 4096] [--batch 4] [--heads 32]
                                      [--dtype fp16] [--jobs 12] [--out PREFIX] [--quick]
@@ -214,9 +215,9 @@ def main() -> None:
             refs = {kernel: run(kernel, tile, "ptr", causal, *st).float() for kernel, tile in
                     (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 2)), ("dq", (64, 64, 4, 2)))
                     if kernel in args.kernels}
-            # Partial tiles: the forward at N = 200 (the backward kernels share its masks).
-            ragged = state(1, 2, 200, d, dtype, causal, seed=3)
-            ragged_ref = run("fwd", (64, 64, 4, 3), "ptr", causal, *ragged).float()
+            if "fwd" in args.kernels:  # partial tiles (N = 200) for the forward candidates
+                ragged = state(1, 2, 200, d, dtype, causal, seed=3)
+                ragged_ref = run("fwd", (64, 64, 4, 3), "ptr", causal, *ragged).float()
             sdpa = sdpa_times(b, h, n, d, dtype, causal)
             f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
             print(f"\nD={d} causal={causal}: cuDNN fwd {f / sdpa['fwd'] * 1e-9:.0f} TFLOP/s, "
