@@ -265,20 +265,12 @@ def _per_query(x, TRANSPOSED: tl.constexpr):
 
 @triton.jit
 def _max_over_keys(s, TRANSPOSED: tl.constexpr):
-    if TRANSPOSED:
-        r = tl.max(s, axis=0)
-    else:
-        r = tl.max(s, axis=1)
-    return r
+    return tl.max(s, axis=0 if TRANSPOSED else 1)
 
 
 @triton.jit
 def _sum_over_keys(s, TRANSPOSED: tl.constexpr):
-    if TRANSPOSED:
-        r = tl.sum(s, axis=0)
-    else:
-        r = tl.sum(s, axis=1)
-    return r
+    return tl.sum(s, axis=0 if TRANSPOSED else 1)
 
 
 @triton.jit
