@@ -55,6 +55,8 @@ CASES = [
     Case(1, 4, 1, 150, 70, 64, causal=True, layout="bnhd"),  # MQA, Nq > Nk, strided views
     Case(1, 2, 1, 65, 40, 256, causal=True),              # the largest D, one key block
     Case(1, 1, 1, 33, 77, 24, sm_scale=0.3),              # D split into 16-wide halves; scale
+    Case(1, 2, 1, 70, 90, 64, causal=True, sm_scale=-0.2),  # negative scale: the largest
+                                                          # scaled score is the raw minimum
 ]
 
 

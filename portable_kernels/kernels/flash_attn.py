@@ -966,10 +966,20 @@ class _FlashAttnFunction(torch.autograd.Function):
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
-    """torch SDPA in float64 (GQA through ``enable_gqa``)."""
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double(), v.double(), is_causal=bool(causal), scale=sm_scale,
-        enable_gqa=q.shape[1] != k.shape[1])
+    """``softmax(q·kᵀ·sm_scale [causal]) · v`` in float64, written out: GQA by repeating
+    each K/V head over its query heads, causal top-left aligned (SDPA's ``is_causal``).
+    Not SDPA itself: its math backend scales q and k by ``sqrt(sm_scale)`` each, which is
+    NaN for the negative scales this kernel takes."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
 
 
 # --- registration ---------------------------------------------------------------------------
