@@ -60,15 +60,20 @@ def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.
     raise DTypeError(f"{kernel}: {arg} has dtype {_dtype_name(t.dtype)}; supported: {names}")
 
 
+def _agreed(kernel: str, tensors: dict, value, describe, error: type, problem: str):
+    """``value(t)``, the same for every tensor of ``tensors``; else ``error`` with
+    ``problem`` followed by each tensor's ``describe(name, t)``."""
+    values = [value(t) for t in tensors.values()]
+    if any(v != values[0] for v in values[1:]):
+        what = ", ".join(describe(n, t) for n, t in tensors.items())
+        raise error(f"{kernel}: {problem} {what}")
+    return values[0]
+
+
 def check_same_dtype(kernel: str, **tensors: torch.Tensor) -> torch.dtype:
     """The one dtype of ``tensors``; ``TypeError`` naming them otherwise."""
-    values = iter(tensors.values())
-    first = next(values).dtype
-    for t in values:
-        if t.dtype != first:
-            what = ", ".join(f"{n} is {_dtype_name(t.dtype)}" for n, t in tensors.items())
-            raise DTypeError(f"{kernel}: dtypes must match, but {what}")
-    return first
+    return _agreed(kernel, tensors, lambda t: t.dtype,
+                   lambda n, t: f"{n} is {_dtype_name(t.dtype)}", DTypeError, "dtypes must match, but")
 
 
 def check_ndim(kernel: str, arg: str, t: torch.Tensor, ndim: int, layout: str = "") -> None:
@@ -80,12 +85,8 @@ def check_ndim(kernel: str, arg: str, t: torch.Tensor, ndim: int, layout: str = 
 
 def check_same_shape(kernel: str, **tensors: torch.Tensor) -> None:
     """``ValueError`` naming the shapes when ``tensors`` differ in shape."""
-    values = iter(tensors.values())
-    first = next(values).shape
-    for t in values:
-        if t.shape != first:
-            what = ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items())
-            raise InputError(f"{kernel}: shapes must match, got {what}")
+    _agreed(kernel, tensors, lambda t: t.shape, lambda n, t: f"{n} {tuple(t.shape)}",
+            InputError, "shapes must match, got")
 
 
 def dtype_supported(problem: Any, device: DeviceInfo) -> str | None:
