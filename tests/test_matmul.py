@@ -10,6 +10,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import portable_kernels as pk
+from conftest import DEVICE
 from portable_kernels import dispatch
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import matmul as matmul_module
@@ -156,6 +157,56 @@ def test_tma_variant_many_tiles_per_program(device, gen, nan_empty, subtile):
                            num_warps=config.num_warps, num_stages=config.num_stages)
     plan = pk.LaunchPlan(base.variant, base.device, [config], base.switches)
     _check(matmul_module.launch(plan, a, b), a, b)
+
+
+def _pointer_configs():
+    """The Hopper table's configs that run the pointer-load kernel, shrunk to the
+    interpreter's cost (their TMA, PERSISTENT and SPLIT_K settings kept)."""
+    from portable_kernels_backends.nvidia import tuning
+
+    h200 = pk.plugins.host().emulation_profile("h200")
+    configs = [c for c in tuning.matmul_persistent_tma(h200) if c.kwargs.get("TMA") is False]
+    assert configs and all(c.kwargs["PERSISTENT"] is False for c in configs)
+    params = []
+    for c in configs:
+        kw = c.kwargs
+        label = (f"{kw['BLOCK_SIZE_M']}x{kw['BLOCK_SIZE_N']}x{kw['BLOCK_SIZE_K']}"
+                 f"-split{kw.get('SPLIT_K', 1)}-w{c.num_warps}-s{c.num_stages}")
+        if DEVICE.type == "cpu":
+            c = triton.Config({**kw, "BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32},
+                              num_warps=c.num_warps, num_stages=c.num_stages)
+        params.append(pytest.param(c, id=label))
+    return params
+
+
+@pytest.mark.parametrize("config", _pointer_configs())
+def test_tma_variant_pointer_configs(config, device, gen, nan_empty):
+    """A config of the descriptor variant may run the pointer-load kernel (TMA and
+    PERSISTENT off): one program per work unit, every layout the variant takes (the
+    descriptor path's transposed views are the pointer path's strides), split-K too."""
+    M, N, K = 72, 48, 264
+    a, b = _rand(gen, M, K, dtype=torch.float16, device=device), _rand(gen, K, N, dtype=torch.float16, device=device)
+    a_t = _rand(gen, K, M, dtype=torch.float16, device=device).t()
+    b_t = _rand(gen, N, K, dtype=torch.float16, device=device).t()
+    with pk.use_variant(matmul=TMA):
+        base = dispatch._launch_plan(pk.explain("matmul", a, b))
+    plan = pk.LaunchPlan(base.variant, base.device, [config], base.switches)
+    kernel, switches = matmul_module._tuned_kernel(plan)
+    assert [c.kwargs["TMA"] for c in kernel.configs] == [False]
+    assert not set(matmul_module.CONFIG_SWITCHES) & set(switches)  # the configs carry them
+    for x, y in ((a, b), (a_t, b), (a, b_t), (a_t, b_t)):
+        _check(matmul_module.launch(plan, x, y), x, y)
+
+
+def test_configs_without_switches_keep_the_variants():
+    """A table whose configs set no switch passes the variant's at launch, unchanged."""
+    h200 = pk.plugins.host().emulation_profile("h200")
+    variant = pk.plugins.host().registry.variants["matmul"]["generic"]
+    config = triton.Config({"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32,
+                            "GROUP_SIZE_M": 4}, num_warps=4)
+    plan = pk.LaunchPlan(variant, h200, [config], dict(variant.switches))
+    kernel, switches = matmul_module._tuned_kernel(plan)
+    assert kernel.configs[0].kwargs == config.kwargs and switches == variant.switches
 
 
 def test_tma_variant_rejects_what_descriptors_cannot_take(device, gen):

@@ -42,6 +42,10 @@ def _matmul(device: DeviceInfo) -> list[triton.Config]:
     ]
 
 
+# A descriptor variant's config that runs the pointer-load kernel instead (see matmul.py).
+_POINTERS = {"TMA": False, "PERSISTENT": False}
+
+
 def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
     # sm_90: wgmma works on 64 rows per warpgroup (4 warps). Shared memory (227 KB) holds
     # stages x (A + B tiles) plus the epilogue buffer, which the two-halves epilogue
@@ -69,6 +73,15 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 128, 64, 4, 8, SPLIT_K=2),    # M <= 128: 2 x N/128 tiles x 2
         _gemm(128, 128, 64, 4, 8, SPLIT_K=4),   # M <= 128: N/128 tiles x 4
         _gemm(128, 128, 64, 4, 8, SPLIT_K=2),   # 1024-squares: 64 tiles x 2
+        # Pointer loads, one program per tile (TMA and PERSISTENT off for these): the
+        # generic table's picks for small problems on the H200 (2026-11-29), where that
+        # kernel ran faster than the descriptor one (1024^3: 7.6 against 9.1 us; 16 x 4096
+        # x 4096: 9.6 against 15.4 us, bench/results/2026-11-30-h200/matmul-trace.txt).
+        # The autotuner weighs them against the rest per problem.
+        _gemm(64, 128, 32, 4, 4, **_POINTERS),                 # 1024-squares
+        _gemm(64, 128, 64, 4, 8, SPLIT_K=4, **_POINTERS),      # M = 16, K >= 4096
+        _gemm(128, 128, 32, 4, 8, SPLIT_K=4, **_POINTERS),     # M = 128, N = 4096
+        _gemm(32, 64, 32, 5, 2, **_POINTERS),                  # M = 16, N = 14336
     ]
 
 

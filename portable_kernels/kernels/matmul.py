@@ -18,7 +18,11 @@ Constexpr switches (a variant sets them; see ``_tiles.py`` for the ones the help
 
 Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``, optionally
 ``EPILOGUE_SUBTILE`` (TMA path: store the tile in two halves) and ``SPLIT_K``, ``num_warps``,
-``num_stages``; autotuned per (M, N, K).
+``num_stages``; autotuned per (M, N, K). A config of a descriptor variant may also set
+``TMA`` and ``PERSISTENT`` (:data:`CONFIG_SWITCHES`), overriding the variant's switches for
+the problems it is picked for: on sm_90 the pointer-load kernel, one program per tile, runs
+small problems faster than the persistent descriptor one (which builds its descriptors in
+every program), so the Hopper table offers both and the autotuner chooses per problem.
 
 Split-K (``SPLIT_K > 1``, a config): when the output has too few tiles to occupy every SM
 (decode-sized M, small squares), each tile's K range is cut into ``SPLIT_K`` slices of
@@ -38,6 +42,7 @@ kernel.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import NamedTuple
 
@@ -53,6 +58,10 @@ NAME = "matmul"
 #: dtypes the TMA path takes: 16-bit operands, which the MMA reads from shared memory in
 #: either order (so transposed operands need no copy). fp32 stays on the pointer path.
 TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+#: Switches a config may set, overriding the variant's (see the module docstring). Turning
+#: TMA off is always safe: the pointer path takes any layout the descriptor path takes.
+CONFIG_SWITCHES = ("TMA", "PERSISTENT")
 
 
 def _matmul_launch_metadata(grid, kernel, args) -> dict:
@@ -325,6 +334,28 @@ def _split_workspace(configs: list, m: int, n: int, k: int, num_sms: int) -> tup
     return slices, tiles
 
 
+def _tuned_kernel(plan):
+    """``(autotuned kernel, switches to pass at launch)``: when some config sets a
+    :data:`CONFIG_SWITCHES` entry, every config carries those switches (the variant's
+    values where it sets none) and the launch passes the rest; otherwise the configs are the
+    plan's own and the launch passes every switch."""
+    def build():
+        switches = plan.switches
+        configs = plan.configs
+        if any(name in c.kwargs for c in configs for name in CONFIG_SWITCHES):
+            defaults = {name: switches.get(name, False) for name in CONFIG_SWITCHES}
+            configs = [copy.copy(c) for c in configs]
+            for c in configs:
+                c.kwargs = {**defaults, **c.kwargs}
+            switches = {k: v for k, v in switches.items() if k not in CONFIG_SWITCHES}
+        num_sms = plan.device.num_sms
+        kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"], configs=configs,
+                                prune_configs_by={"early_config_prune": functools.partial(_prune, num_sms=num_sms)})
+        return kernel, switches
+
+    return plan.cached((NAME, "tuned kernel"), build)
+
+
 def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for ``a`` (M, K) and ``b`` (K, N) of one float dtype (fp16, bf16, fp32),
     any strides; accumulates in fp32 (tf32 dots for fp32 on NVIDIA GPUs). Returns a new
@@ -337,18 +368,17 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return out
     if K == 0:
         return out.zero_()
-    switches = plan.switches
-    persistent = switches.get("PERSISTENT", False)
     num_sms = plan.device.num_sms
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
         units = _cdiv(M, bm) * _cdiv(N, bn) * meta.get("SPLIT_K", 1)
-        return (min(units, num_sms) if persistent else units,)
+        return (min(units, num_sms) if meta.get("PERSISTENT", False) else units,)
 
-    kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"],
-                            prune_configs_by={"early_config_prune": functools.partial(_prune, num_sms=num_sms)})
-    tma = switches.get("TMA", False)
+    kernel, switches = _tuned_kernel(plan)
+    # The variant's TMA: a config may turn it off, and then ignores A_T, B_T and the
+    # descriptors' scratch.
+    tma = plan.switches.get("TMA", False)
     # Column-major operands are described through their transposes (descriptor path).
     a_t = tma and a.stride(0) == 1 and a.stride(1) != 1
     b_t = tma and b.stride(0) == 1 and b.stride(1) != 1
