@@ -57,6 +57,7 @@ CASES = [
     Case(1, 1, 1, 33, 77, 24, sm_scale=0.3),              # D split into 16-wide halves; scale
     Case(1, 2, 1, 70, 90, 64, causal=True, sm_scale=-0.2),  # negative scale: the largest
                                                           # scaled score is the raw minimum
+    Case(1, 1, 1, 40, 50, 64, causal=True, sm_scale=0.0),  # zero: uniform over visible keys
 ]
 
 

@@ -17,7 +17,11 @@ grows, plus ``p = exp2(s - m)`` and ``acc += p·v``. After the loop ``out = acc 
 ``LSE = (m + log2 l)·ln 2`` (the natural log-sum-exp of the scaled scores) is stored in fp32,
 (B, H, Nq), for the backward. The key loop runs in two stages through one helper: the key
 blocks every row of the tile sees in full (no mask at all), then the causal diagonal and
-the Nk tail (masked); with ``WARP_SPECIALIZE``, one stage over all blocks, masked.
+the Nk tail (masked); with ``WARP_SPECIALIZE``, one stage over all blocks, masked. For a
+positive scale (``RAW_MAX``, every default one) the row max is taken over the raw scores and
+scaled once per row, so that each score costs one FMA (``s·scale - m``) before its exp2
+instead of a multiply and a subtraction; a zero or negative scale, where scaling does not
+commute with the max, scales the scores first.
 
 ``causal`` is SDPA's ``is_causal``, top-left aligned: query ``i`` sees keys ``j <= i``
 whatever Nq and Nk. Key 0 is visible to every row, so no row is empty; with ``Nk == 0``
@@ -316,6 +320,7 @@ def _attn_fwd_inner(
     UPCAST: tl.constexpr, DEFERRED: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    RAW_MAX: tl.constexpr,                        # qk_scale > 0 (see the kernel)
 ):
     # K is the right operand of q·kᵀ (so loaded as a Kᵀ view) in the normal orientation and
     # the left operand of K·Qᵀ in the transposed one; V the other way round.
@@ -332,16 +337,24 @@ def _attn_fwd_inner(
             k1 = _read_seq_tile(k_src, start_n, BLOCK_DC, offs_n, offs_d1, stride_kn, stride_kd,
                                 N_K, D, MASKED, PAD_D, K_D_MAJOR, UPCAST, TMA)
             s = _mma(q1, k1, s, TRANSPOSED)
-        s = s * qk_scale
+        if not RAW_MAX:
+            s = s * qk_scale
         if MASKED:
             # -inf: exp2 gives exactly 0, and the max never comes from a hidden key. Every
             # row sees key 0, so m_new below is finite and exp2(-inf - m_new) is no NaN.
             # (Descriptor loads read keys past Nk as zeros: finite scores, so masked too.)
             s = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, TRANSPOSED), s, float("-inf"))
         # -- online softmax: rescale what was accumulated under the old max --
-        m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED))
+        if RAW_MAX:
+            # A positive scale commutes with the max: take it over the raw scores and fold
+            # the scale into the exponent's one FMA (s·scale - m), one multiply per score
+            # fewer (-inf stays -inf).
+            m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - _per_query(m_new, TRANSPOSED))
+        else:
+            m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED))
+            p = tl.math.exp2(s - _per_query(m_new, TRANSPOSED))
         alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
-        p = tl.math.exp2(s - _per_query(m_new, TRANSPOSED))
         if DEFERRED:
             # Elementwise partial sums: no cross-thread reduction inside the loop.
             l_i = l_i * _per_query(alpha, TRANSPOSED) + p
@@ -378,6 +391,7 @@ def _flash_attn_fwd_kernel(
     UPCAST: tl.constexpr, DEFERRED: tl.constexpr,             # per variant (module docstring)
     HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    RAW_MAX: tl.constexpr,                                    # per call: qk_scale > 0
 ):
     # --- program id to tile ---
     start_m = tl.program_id(0) * BLOCK_M
@@ -442,20 +456,20 @@ def _flash_attn_fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
             0, hi, N_K, D, qk_scale,
             BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
-            TMA, True)
+            TMA, True, RAW_MAX)
     else:
         acc0, acc1, l_i, m_i = _attn_fwd_inner(
             acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
             0, full_end, N_K, D, qk_scale,
             BLOCK_N, BLOCK_DC, False, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
-            TMA, False)
+            TMA, False, RAW_MAX)
         acc0, acc1, l_i, m_i = _attn_fwd_inner(
             acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
             full_end, hi, N_K, D, qk_scale,
             BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
-            TMA, False)
+            TMA, False, RAW_MAX)
 
     # --- write-back: normalize, store out (through transposed strides if so) and LSE ---
     if DEFERRED:
@@ -852,7 +866,8 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
             plan.run_tuned(
                 _autotuned_forward(plan), (bucket, block_d, causal, q.dtype),
                 lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), b * h),
-                *args, bucket, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d, **tma_switches,
+                *args, bucket, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
+                RAW_MAX=scale > 0, **tma_switches,
             )
         return out, lse
     cfg = _config(plan, block_d, q.element_size())
@@ -860,7 +875,7 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
     _flash_attn_fwd_kernel[(triton.cdiv(n_q, block_m), b * h)](
         *args, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        **switches, **_options(cfg),
+        RAW_MAX=scale > 0, **switches, **_options(cfg),
     )
     return out, lse
 
