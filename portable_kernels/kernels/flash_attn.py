@@ -348,9 +348,10 @@ def _attn_fwd_inner(
         if RAW_MAX:
             # A positive scale commutes with the max: take it over the raw scores and fold
             # the scale into the exponent's one FMA (s·scale - m), one multiply per score
-            # fewer (-inf stays -inf).
+            # fewer (-inf stays -inf). The FMA is written out (here and in the backward's
+            # exp2): Triton may stop contracting mul+add by default (triton-lang/triton#11270).
             m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - _per_query(m_new, TRANSPOSED))
+            p = tl.math.exp2(tl.fma(s, qk_scale, -_per_query(m_new, TRANSPOSED)))
         else:
             m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED))
             p = tl.math.exp2(s - _per_query(m_new, TRANSPOSED))
@@ -561,8 +562,7 @@ def _flash_attn_bwd_dkdv_kernel(
             # Rows past Nq get LSE = +inf so their probabilities are exactly 0.
             lse = tl.load(Lse + row + offs_m, mask=offs_m < N_Q, other=float("inf"))
             delta = tl.load(Delta + row + offs_m, mask=offs_m < N_Q, other=0.0)
-            sT = tl.dot(k, qT) * qk_scale
-            pT = tl.math.exp2(sT - _per_query(lse * LOG2E, True))
+            pT = tl.math.exp2(tl.fma(tl.dot(k, qT), qk_scale, -_per_query(lse * LOG2E, True)))
             if CAUSAL:
                 pT = tl.where(_visible(offs_m, offs_n, N_K, True, True), pT, 0.0)
             dv = tl.dot(pT.to(do.dtype), do, dv)
@@ -627,7 +627,7 @@ def _flash_attn_bwd_dq_kernel(
                             True, PAD_D, True, UPCAST, TMA)
         vT = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
                             True, PAD_D, True, UPCAST, TMA)
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
+        p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse2[:, None]))
         # A select, not a multiply: exp2 of a hidden key's score may overflow to inf.
         p = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, False), p, 0.0)
         dp = tl.dot(do, vT)
