@@ -13,7 +13,7 @@ Constexpr switches (a variant sets them; see ``_tiles.py`` for the ones the help
         its transpose (``A_T``/``B_T``, chosen per call).
     PERSISTENT: launch ``min(SMs, work units)`` programs that each walk work units with a
         stride of the grid size, instead of one program per work unit.
-    WARP_SPECIALIZE: warp-specialized K loop (TMA path only).
+    WARP_SPECIALIZE: warp-specialized K loop (TMA path only; not with ``SPLIT_K > 1``).
     UPCAST: fp32 dots (the interpreter's bf16 arithmetic is wrong).
 
 Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``, optionally
@@ -173,8 +173,12 @@ def _matmul_tile(
 
     # --- main loop ---
     if TMA:
+        # Never warp-specialized when K is split: on sm_90 with triton 3.6 the 4-warp
+        # split-K configs (the ones Triton specializes) computed garbage, errors up to 7e19
+        # (bench/matmul_sweep.py, 2026-11-30), as if the split epilogue's partial stores
+        # and counter raced the specialized loop. Pipelined, they are correct.
         acc = _tiles.desc_mainloop(a, b, off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                                   BLOCK_SIZE_K, A_T, B_T, UPCAST, WARP_SPECIALIZE)
+                                   BLOCK_SIZE_K, A_T, B_T, UPCAST, WARP_SPECIALIZE and SPLIT_K == 1)
     else:
         acc = _tiles.ptr_mainloop(a, b, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                   off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
