@@ -64,9 +64,10 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 256, 64, 4, 8, EPILOGUE_SUBTILE=True),
         _gemm(64, 128, 128, 4, 4, EPILOGUE_SUBTILE=False),
         _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+        _gemm(64, 64, 128, 4, 8, EPILOGUE_SUBTILE=False),   # M = 128, N = 4096: 2 x 64 tiles
         # Split-K: for outputs with too few tiles to occupy the SMs (M of 16 or 128 with
-        # N = 4096; 1024-squares), which the launcher's pruning offers them only to. 8 warps:
-        # the split epilogue's barrier and atomics stay out of warp-specialized code.
+        # N = 4096; 1024-squares), which the launcher's pruning offers them only to. The
+        # kernel does not warp-specialize split loops (4-warp ones computed garbage).
         _gemm(64, 128, 128, 3, 8, SPLIT_K=4),   # M <= 64:  N/128 tiles x 4
         _gemm(64, 128, 64, 4, 8, SPLIT_K=4),    #           (the generic table's pick there)
         _gemm(64, 64, 128, 4, 8, SPLIT_K=2),    #           N/64 tiles x 2
@@ -76,9 +77,12 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         # Pointer loads, one program per tile (TMA and PERSISTENT off for these): the
         # generic table's picks for small problems on the H200 (2026-11-29), where that
         # kernel ran faster than the descriptor one (1024^3: 7.6 against 9.1 us; 16 x 4096
-        # x 4096: 9.6 against 15.4 us, bench/results/2026-11-30-h200/matmul-trace.txt).
-        # The autotuner weighs them against the rest per problem.
-        _gemm(64, 128, 32, 4, 4, **_POINTERS),                 # 1024-squares
+        # x 4096: 9.6 against 15.4 us, bench/results/2026-11-30-h200/matmul-trace.txt),
+        # and the winners of bench/matmul_sweep.py (bf16, 2026-11-30: 1024^3 6.7 us against
+        # 7.7 for the generic pick; 128 x 14336 x 4096 33.5 us against 36.7 for the
+        # descriptor pick). The autotuner weighs them against the rest per problem.
+        _gemm(64, 128, 64, 3, 8, **_POINTERS),                 # 1024-squares
+        _gemm(64, 256, 64, 4, 8, **_POINTERS),                 # M = 128, N = 14336
         _gemm(64, 128, 64, 4, 8, SPLIT_K=4, **_POINTERS),      # M = 16, K >= 4096
         _gemm(128, 128, 32, 4, 8, SPLIT_K=4, **_POINTERS),     # M = 128, N = 4096
         _gemm(32, 64, 32, 5, 2, **_POINTERS),                  # M = 16, N = 14336
