@@ -126,3 +126,37 @@ def test_benches_report_the_config_of_each_problem(device, gen):
     record = bench_fa.tuning_record(plan, q, q, True, None)
     assert f"BLOCK_M: {plan.configs[0].kwargs['BLOCK_M']}" in record["best"]
     assert bench_fa.tuning_record(plan, q, q, False, None)["best"] == ""  # not launched
+
+
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_matmul_sweep_launches_compute_the_product(path, device, monkeypatch):
+    """A sweep candidate, on its one-config plan of the Hopper variant, computes a @ b
+    (split-K, tails in M and N), through the load path it names."""
+    from portable_kernels.kernels import matmul as mm
+
+    sweep = _load("matmul_sweep")
+    monkeypatch.setattr(sweep, "DEVICE", str(device))
+    a, b = sweep.operands((72, 48, 264), torch.float16, seed=3)
+    base = sweep.base_plan(a, b)
+    assert base.variant.name == sweep.VARIANT
+    tile = (32, 32, 32, 2, 4, 3)
+    plan = sweep.plan_for(base, path, tile)
+    assert plan.configs[0].kwargs.get("TMA", True) == (path == "tma")
+    assert_close(mm.launch(plan, a, b), mm.reference(a, b), tolerance(torch.float16, "dot"), path)
+    assert "SPLIT_K: 2" in sweep.mm_choice(plan, a, b)
+    assert sweep.plan_for(base, path, tile) is plan  # kept: timing loops reuse its autotuner
+
+
+def test_matmul_sweep_candidates_fit():
+    sweep = _load("matmul_sweep")
+    shape, sms = (128, 4096, 4096), 132
+    for path in sweep.GRID:
+        assert any(sweep.fits(path, t, shape, sms) for t in sweep.GRID[path])
+    assert not sweep.fits("ptr", (128, 256, 64, 1, 4, 3), shape, sms)   # 256 accumulators a thread
+    assert sweep.fits("ptr", (128, 128, 64, 1, 4, 3), shape, sms)
+    assert not sweep.fits("tma", (128, 128, 64, 1, 4, 3), shape, sms)   # 4-warp WS, large tile
+    assert not sweep.fits("tma", (128, 256, 128, 1, 8, 4), shape, sms)  # shared memory
+    assert not sweep.fits("ptr", (64, 64, 64, 8, 8, 3), shape, sms)     # 128 tiles x 8 slices
+    assert not sweep.fits("ptr", (64, 128, 64, 8, 8, 3), (64, 512, 512), sms)  # one K block a slice
+    assert sweep.fits("ptr", (64, 128, 64, 2, 8, 3), (64, 512, 512), sms)
+    assert not sweep.fits("ptr", (128, 128, 64, 1, 8, 3), (16, 4096, 4096), sms)  # overhangs M
