@@ -289,6 +289,22 @@ def test_chosen_on_hopper_and_nowhere_else():
 
 # --- the tuning table and the autotuner's candidates -----------------------------------------
 
+def test_warp_specialization_is_opt_in(device):
+    """A config that does not name WARP_SPECIALIZE (a vendor's table, a sweep's one-config
+    plan) gets the pipelined two-loop forward: the warp-specialized loop passed small tests
+    on the H200 but computed wrong outputs at N = 4096 with triton 3.6."""
+    _skip_unless_hopper_runs(device)
+    plan = _hopper_plan(device)
+    cfg = plan.configs[0]
+    bare = triton.Config({k: v for k, v in cfg.kwargs.items() if k != "WARP_SPECIALIZE"},
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tuned = fa._autotuned_forward(_single(plan, bare))
+    assert [c.kwargs["WARP_SPECIALIZE"] for c in tuned.configs] == [False]
+    opted = triton.Config({**bare.kwargs, "WARP_SPECIALIZE": True},
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert [c.kwargs["WARP_SPECIALIZE"] for c in fa._autotuned_forward(_single(plan, opted)).configs] == [True]
+
+
 def test_sm90_table_is_consistent():
     """No warp-specialized config (wrong results on sm_90 with triton 3.6); each row class
     leads with complete backward settings, whose dq kernel holds at least 64 queries (a

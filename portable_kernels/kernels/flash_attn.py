@@ -64,8 +64,8 @@ Constexpr switches (each variant sets them all; see ``SWITCHES``):
         dots and the softmax, decoupled by ``num_stages`` shared-memory buffers. Triton 3.6
         does this for sm_90 only for a kernel with one loop and no branch in it, so this
         switch also turns the two stages into one loop over every block, each masked. No
-        sm_90 config sets it: on the H200 with triton 3.6 it computed wrong outputs (see
-        ``backends/nvidia/tuning.py``).
+        sm_90 config sets it, and ``nvidia.hopper``'s default is off: on the H200 with
+        triton 3.6 it computed wrong outputs (see ``backends/nvidia/tuning.py``).
 
 Backward, shared by every variant (of the switches above, UPCAST and TMA apply to it too):
 a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel runs one program
