@@ -110,6 +110,15 @@ def build(
     }
 
 
+def _check_fields(record: dict, kinds: dict, where: str) -> None:
+    """Every key of ``kinds`` present in ``record`` with a value of its type."""
+    for key, kind in kinds.items():
+        if key not in record:
+            raise ReportError(f"{where} lacks {key!r}")
+        if not isinstance(record[key], kind):
+            raise ReportError(f"{where}: {key!r} is a {type(record[key]).__name__}")
+
+
 def validate(report: Any, where: str = "report") -> dict:
     """``report`` if it is a valid conformance report, else :class:`ReportError`."""
     if not isinstance(report, dict):
@@ -118,11 +127,7 @@ def validate(report: Any, where: str = "report") -> dict:
         raise ReportError(f"{where}: format is {report.get('format')!r}, not {FORMAT!r}")
     if report.get("version") != VERSION:
         raise ReportError(f"{where}: version {report.get('version')!r}; this tool reads version {VERSION}")
-    for key, kind in _TOP_KEYS.items():
-        if key not in report:
-            raise ReportError(f"{where}: missing {key!r}")
-        if not isinstance(report[key], kind):
-            raise ReportError(f"{where}: {key!r} is a {type(report[key]).__name__}")
+    _check_fields(report, _TOP_KEYS, where)
     for key in _VERSION_KEYS:
         if key not in report["versions"]:
             raise ReportError(f"{where}: versions lacks {key!r}")
@@ -131,11 +136,7 @@ def validate(report: Any, where: str = "report") -> dict:
     for i, case in enumerate(report["cases"]):
         if not isinstance(case, dict):
             raise ReportError(f"{where}: cases[{i}] is not an object")
-        for key, kind in _CASE_KEYS.items():
-            if key not in case:
-                raise ReportError(f"{where}: cases[{i}] ({case.get('id', '?')}) lacks {key!r}")
-            if not isinstance(case[key], kind):
-                raise ReportError(f"{where}: cases[{i}].{key} is a {type(case[key]).__name__}")
+        _check_fields(case, _CASE_KEYS, f"{where}: cases[{i}] ({case.get('id', '?')})")
         if case["outcome"] not in OUTCOMES:
             raise ReportError(f"{where}: cases[{i}].outcome {case['outcome']!r} is not one of {OUTCOMES}")
     return report
