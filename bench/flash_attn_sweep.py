@@ -8,9 +8,6 @@ For each head dim and causal setting, at one (B, H, N) and fp16 or bf16, it time
   short list of tiles: Triton specializes only 4-warp programs for sm_90);
 - the dk/dv and the dq backward kernels (``_launch_dkdv``, ``_launch_dq``), with and without
   descriptors, each over its own grid of (BLOCK_M, BLOCK_N, warps, stages);
-- ``dkdvq``, the one-pass backward: the dk/dv kernel adding each block's dq share into a
-  zeroed fp32 buffer (``DQ_ATOMIC``), timed with the buffer's zeroing and its conversion to
-  the input dtype, next to the two passes (dk/dv, then dq) with the tiles dispatch picks;
 
 and SDPA (cuDNN backend) forward and backward at the same shape for scale. Every candidate
 is checked against a reference kernel's output (pointer loads, 64 x 64 tiles) before it is
@@ -21,7 +18,7 @@ cache; the timing process then loads them.
 
     python bench/flash_attn_sweep.py [--dims 64,128] [--n 4096] [--batch 4] [--heads 32]
                                      [--dtype fp16] [--jobs 12] [--out PREFIX] [--quick]
-                                     [--kernels fwd,dkdv,dq,dkdvq]
+                                     [--kernels fwd,dkdv,dq]
 
 Prints, per (D, causal) and kernel, the fastest settings and their TFLOP/s; writes every
 timing to ``PREFIX.json``. This is a tuning tool: its winners go into the NVIDIA backend's
@@ -65,30 +62,21 @@ DKDV = [(32, 128, 4, s) for s in (2, 3, 4, 5)] + [(32, 128, 8, s) for s in (2, 3
 DQ = [(128, 32, 4, s) for s in (2, 3, 4, 5)] + [(128, 32, 8, s) for s in (2, 3)] \
     + [(128, 64, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
     + [(64, 32, 4, s) for s in (3, 5)] + [(128, 16, 4, 4), (128, 64, 4, 2), (32, 128, 8, 2)]
-# One-pass backward (dk/dv kernel adding dq into an fp32 buffer): BLOCK_N keys held,
-# BLOCK_M queries streamed, and a [BLOCK_M, D] dq share per step.
-DKDVQ = [(32, 64, 4, s) for s in (2, 3)] + [(64, 64, 4, 2)] + [(64, 64, 8, s) for s in (2, 3)] \
-    + [(32, 128, 8, s) for s in (2, 3)] + [(64, 128, 8, 2), (32, 128, 4, 2), (16, 128, 4, 3)]
-QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4], "dkdvq": DKDVQ[:4]}
-# dkdvq paths: "tma" descriptors for loads and per-element atomic adds of dq, "tmared" the
-# copy engine's bulk reductions for dq too, "ptr" pointer loads and per-element adds.
-PATHS = {"fwd": ("tma", "ptr", "ws"), "dkdv": ("tma", "ptr"), "dq": ("tma", "ptr"),
-         "dkdvq": ("tma", "tmared", "ptr")}
-_DQ_ATOMIC = {"tma": 1, "tmared": 2, "ptr": 1}
+QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4]}
+PATHS = {"fwd": ("tma", "ptr", "ws"), "dkdv": ("tma", "ptr"), "dq": ("tma", "ptr")}
 
 
 def fits(kernel: str, tile, d: int) -> bool:
     """Leave out shapes whose fp32 accumulators cannot fit the registers (they spill or fail
     to compile): the held block times D, per thread of the program."""
     bm, bn, warps, _ = tile
-    # dk/dv holds two accumulators, and the one-pass kernel a dq share too.
-    held = {"fwd": bm, "dq": bm, "dkdv": 2 * bn, "dkdvq": 2 * bn + bm}[kernel]
+    held = bm if kernel in ("fwd", "dq") else 2 * bn  # dk/dv holds two accumulators
     return held * d / (warps * 32) <= 160
 
 
 def candidates(args) -> list[tuple]:
     """Every (kernel, d, causal, path, tile) to compile and time."""
-    grids = QUICK if args.quick else {"fwd": FWD, "dkdv": DKDV, "dq": DQ, "dkdvq": DKDVQ}
+    grids = QUICK if args.quick else {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
     return [(kernel, d, causal, path, tile)
             for kernel in args.kernels
             for d in args.dims for causal in (False, True) for path in PATHS[kernel]
@@ -132,12 +120,6 @@ def run(kernel, tile, path, causal, q, k, v, do, out, lse, delta, base):
     if kernel == "fwd":
         return fa._forward(fwd_plan(base, tile, path), q, k, v, causal, scale)[0]
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
-        if kernel == "dkdvq":  # what fa._backward does with DQ_ATOMIC, less the preprocess
-            dk, dv = torch.empty_like(k), torch.empty_like(v)
-            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            fa._launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, bm, bn, False, tma,
-                            opts, dq_acc, _DQ_ATOMIC[path])
-            return dq_acc.to(q.dtype), dk, dv
         if kernel == "dkdv":
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             fa._launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, bm, bn, False, tma, opts)
@@ -145,25 +127,6 @@ def run(kernel, tile, path, causal, q, k, v, do, out, lse, delta, base):
         dq = torch.empty_like(q)
         fa._launch_dq(q, k, v, do, lse, delta, dq, causal, scale, bm, bn, False, tma, opts)
         return dq
-
-
-def table_two_pass(causal, q, k, v, do, out, lse, delta, base) -> float:
-    """ms of the dk/dv and dq kernels with the backward tiles dispatch picks here (the
-    one-pass candidates' baseline; the preprocess is left out of both)."""
-    plan = pk.get_kernel("flash_attn").plan(q, k, v)
-    cfg = fa._config(plan, fa._block_d(q.shape[-1]), q.element_size())
-    dkdv_m, dkdv_n, dq_m, dq_n = fa._backward_blocks(cfg)
-    tma, scale = plan.switches["TMA"], 1.0 / math.sqrt(q.shape[-1])
-    dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
-
-    def two_pass():
-        with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
-            fa._launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                            False, tma, fa._options(cfg, "dkdv"))
-            fa._launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, False, tma,
-                          fa._options(cfg, "dq"))
-
-    return triton.testing.do_bench(two_pass, return_mode="median")
 
 
 def state(b, h, n, d, dtype, causal, seed=0):
@@ -200,9 +163,8 @@ def compile_one(cand, dtype_name) -> str:
 
 def flops(kernel, b, h, n, d, causal) -> float:
     f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
-    # dk/dv: 4 of the backward's 7 dots (K·Qᵀ, Pᵀ·dO, V·dOᵀ, dSᵀ·Q); dq: 3 (Q·Kᵀ, dO·Vᵀ, dS·K);
-    # the one-pass kernel 5 (the dk/dv kernel's and dS·K), the backward's 2.5 forwards.
-    return {"fwd": f, "dkdv": f * 2.0, "dq": f * 1.5, "dkdvq": f * 2.5}[kernel]
+    # dk/dv: 4 of the backward's 7 dots (K·Qᵀ, Pᵀ·dO, V·dOᵀ, dSᵀ·Q); dq: 3 (Q·Kᵀ, dO·Vᵀ, dS·K).
+    return {"fwd": f, "dkdv": f * 2.0, "dq": f * 1.5}[kernel]
 
 
 def sdpa_times(b, h, n, d, dtype, causal) -> dict:
@@ -228,8 +190,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=12, help="compile processes")
     parser.add_argument("--out", default="flash-attn-sweep")
     parser.add_argument("--quick", action="store_true", help="four candidates per kernel")
-    parser.add_argument("--kernels", default="fwd,dkdv,dq",
-                        help="which of fwd, dkdv, dq, dkdvq (the one-pass backward)")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="which of fwd, dkdv, dq")
     args = parser.parse_args()
     args.dims = [int(x) for x in args.dims.split(",")]
     args.kernels = [x for x in args.kernels.split(",") if x]
@@ -258,10 +219,7 @@ def main() -> None:
             # References: pointer-load candidates of 64 x 64 tiles (compiled with the rest).
             refs = {kernel: joined(run(kernel, tile, "ptr", causal, *st)).float() for kernel, tile in
                     (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 2)), ("dq", (64, 64, 4, 2)))
-                    if kernel in args.kernels or (kernel != "fwd" and "dkdvq" in args.kernels)}
-            if "dkdvq" in args.kernels:
-                refs["dkdvq"] = torch.cat([refs["dq"], refs["dkdv"]])
-                print(f"  two passes with the table's tiles: {table_two_pass(causal, *st):.3f} ms")
+                    if kernel in args.kernels}
             if "fwd" in args.kernels:  # partial tiles (N = 200) for the forward candidates
                 ragged = state(1, 2, 200, d, dtype, causal, seed=3)
                 ragged_ref = run("fwd", (64, 64, 4, 3), "ptr", causal, *ragged).float()

@@ -126,7 +126,7 @@ _LOG2E = 1.4426950408889634
 # Config keys the launcher reads itself; every other config kwarg is a compiler option.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
                         "BWD_NUM_STAGES", "DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS",
-                        "DQ_NUM_STAGES", "DQ_ATOMIC", "ROW_BYTES_MAX", *_CONFIG_SWITCHES})
+                        "DQ_NUM_STAGES", "ROW_BYTES_MAX", *_CONFIG_SWITCHES})
 # ... of which the forward kernel does not take these (the autotuned path drops them).
 _NOT_FORWARD_KEYS = _HOST_KEYS - {"BLOCK_M", "BLOCK_N", *_CONFIG_SWITCHES}
 # Sequence-length buckets below this are not autotuned: the first config that fits runs.
@@ -241,24 +241,6 @@ def _read_seq_tile(src, start_s, start_d, offs_s, offs_d, stride_s, stride_d, n_
         t = _load_seq_tile(src, offs_s, offs_d, stride_s, stride_d, n_s, D,
                            CHECK_S, PAD_D, D_MAJOR, UPCAST)
     return t
-
-
-@triton.jit
-def _add_seq_tile(dst, tile, start_s, offs_s, offs_d, stride_s, stride_d, n_s, D,
-                  PAD_D: tl.constexpr, TMA: tl.constexpr):
-    """Add a fp32 [S, Dc] tile into a fp32 (N, D) matrix, atomically (other programs add
-    into the same rows), rows past ``n_s`` and padded head-dim columns dropped. With ``TMA``
-    one bulk reduction of the copy engine (``cp.reduce.async.bulk.tensor``), else one
-    relaxed atomic add per element (``red.global.add.f32``): only the sum is read, after
-    the kernel, so no ordering is needed."""
-    if TMA:
-        dst.atomic_add([start_s, 0], tile)
-    else:
-        ptrs = dst + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d
-        mask = offs_s[:, None] < n_s
-        if PAD_D:
-            mask = mask & (offs_d[None, :] < D)
-        tl.atomic_add(ptrs, tile, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -528,19 +510,17 @@ def _flash_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _flash_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ,                      # pointers (DQ: fp32, zeroed)
+    Q, K, V, DO, Lse, Delta, DK, DV,                          # pointers
     stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, H_KV, GROUP, N_Q, N_K, D,                              # sizes
     sm_scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
 ):
     # --- program id to tile: BLOCK_N keys of one (batch, kv head) ---
     start_n = tl.program_id(0) * BLOCK_N
@@ -572,9 +552,6 @@ def _flash_attn_bwd_dkdv_kernel(
         do_src = _head_source(DO, b, h, stride_dob, stride_doh,
                               N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
         row = (b * H + h).to(tl.int64) * N_Q
-        if DQ_ATOMIC:
-            dq_dst = _head_source(DQ, b, h, stride_dqb, stride_dqh,
-                                  N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, DQ_ATOMIC == 2)
         for start_m in range(lo, N_Q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             # The transposed orientation is natural here: Pᵀ [keys, queries] = exp(K·Qᵀ - LSE).
@@ -592,12 +569,6 @@ def _flash_attn_bwd_dkdv_kernel(
             dpT = tl.dot(v, tl.trans(do))
             dsT = pT * (dpT - _per_query(delta, True))
             dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
-            if DQ_ATOMIC:
-                # This key block's share of dq = dS·K, added into the fp32 accumulator
-                # (FlashAttention-2's backward): no second pass rebuilding P and dP.
-                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale
-                _add_seq_tile(dq_dst, dq, start_m, offs_m, offs_d, stride_dqm, stride_dqd,
-                              N_Q, D, PAD_D, DQ_ATOMIC == 2)
 
     # --- write-back (rows past Nk dropped) ---
     dk_dst = _head_source(DK, b, hk, stride_dkb, stride_dkh,
@@ -934,40 +905,26 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
         out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
         BLOCK_M=dq_m, BLOCK_D=block_d, PAD_D=pad_d, **dq_opts,
     )
-    dq_atomic = cfg.kwargs.get("DQ_ATOMIC", 0)
-    with _host.scratch_allocator(q.device) if tma or dq_atomic == 2 else contextlib.nullcontext():
-        if dq_atomic:
-            # One pass: the dk/dv kernel adds each block's dq share into an fp32 buffer.
-            dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=q.device)
-            _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                         upcast, tma, dkdv_opts, dq_acc, dq_atomic)
-            dq.copy_(dq_acc)
-        else:
-            _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                         upcast, tma, dkdv_opts)
-            _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma,
-                       dq_opts)
+    with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
+        _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
+                     upcast, tma, dkdv_opts)
+        _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts)
     return dq, dk, dv
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
-                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict,
-                 dq_acc: torch.Tensor | None = None, dq_atomic: int = 0) -> None:
+                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict) -> None:
     """The dk/dv kernel on ``block_n`` keys per program, streaming ``block_m`` queries
-    (``bench/flash_attn_sweep.py`` times it alone through this). With ``dq_atomic`` (1:
-    per-element atomics, 2: the copy engine's bulk reductions) it also adds dq·1 into
-    ``dq_acc``, a zeroed fp32 (B, H, Nq, D) tensor, and the dq kernel is not needed."""
+    (``bench/flash_attn_sweep.py`` times it alone through this)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    if dq_acc is None:
-        dq_acc = dk  # not read: DQ_ATOMIC=0 compiles the accumulation out
     _flash_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), b * h_kv)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc,
+        q, k, v, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *dq_acc.stride(), h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
+        h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        UPCAST=upcast, TMA=tma, DQ_ATOMIC=dq_atomic, **opts,
+        UPCAST=upcast, TMA=tma, **opts,
     )
 
 
