@@ -80,7 +80,10 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         # x 4096: 9.6 against 15.4 us, bench/results/2026-11-30-h200/matmul-trace.txt),
         # and the winners of bench/matmul_sweep.py (bf16, 2026-11-30: 1024^3 6.7 us against
         # 7.7 for the generic pick; 128 x 14336 x 4096 33.5 us against 36.7 for the
-        # descriptor pick). The autotuner weighs them against the rest per problem.
+        # descriptor pick; fp16 and bf16, 11-30: 2048^3 25.3 and 24.7 us against 27.7 and
+        # 27.1 for the descriptor pick). The autotuner weighs them against the rest per
+        # problem.
+        _gemm(128, 256, 32, 3, 8, **_POINTERS),                # 2048-squares
         _gemm(64, 128, 64, 3, 8, **_POINTERS),                 # 1024-squares
         _gemm(64, 256, 64, 4, 8, **_POINTERS),                 # M = 128, N = 14336
         _gemm(64, 128, 64, 4, 8, SPLIT_K=4, **_POINTERS),      # M = 16, K >= 4096
