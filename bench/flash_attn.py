@@ -13,14 +13,17 @@ fp16 and bf16; fresh ``torch.randn`` inputs per row. Columns, forward and backwa
 Each of ours is checked against SDPA (flash, else cuDNN) before it is timed, output and the
 three gradients, with the library's "attention" tolerance (its absolute part scaled by the
 gradients' magnitude for those); a wrong result is reported and not timed. Times are the median of
-``triton.testing.do_bench``. The forward counts ``4·B·H·N²·D`` FLOPs (half when causal),
+``triton.testing.do_bench`` (with ``--cudagraph``, of replays of a captured CUDA graph of
+ten calls, see :func:`graph_bench`: the host's time per call is out, so short rows compare
+kernels, not Python and launch paths; nothing clears the L2 cache between calls). The forward counts ``4·B·H·N²·D`` FLOPs (half when causal),
 the backward 2.5 times that; the backward is timed alone, as
 ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` after one forward. The
 first call of each shape compiles and autotunes our kernels; results persist in the
 library's tuning cache (``PK_CACHE_DIR``). The autotuner's timing of every candidate is kept
 in the JSON (``tuning``), which says what warp specialization is worth on this GPU.
 
-    python bench/flash_attn.py [--quick] [--out PREFIX] [--dtypes fp16,bf16]
+    python bench/flash_attn.py [--quick | --seqlens 1024,...] [--out PREFIX]
+                               [--dtypes fp16,bf16] [--cudagraph]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (an interrupted run keeps what it
 measured). Needs an NVIDIA GPU; on a CPU-only machine it exits with a message.
@@ -31,6 +34,7 @@ import portable_kernels as pk  # first: it chooses the interpreter before triton
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,10 +56,11 @@ PASSES = ("fwd", "bwd")
 DEVICE = "cuda"
 
 
-def rows(quick: bool) -> list[tuple[int, int, int, int, bool]]:
+def rows(quick: bool, seqlens: set[int] | None = None) -> list[tuple[int, int, int, int, bool]]:
     if quick:
         return QUICK
-    return [(b, h, n, d, causal) for b, h, n in SHAPES for d in DIMS for causal in (False, True)]
+    return [(b, h, n, d, causal) for b, h, n in SHAPES for d in DIMS for causal in (False, True)
+            if seqlens is None or n in seqlens]
 
 
 def sdpa(backend):
@@ -128,7 +133,7 @@ def check(out, grads, ref_out, ref_grads, dtype) -> str:
     return ""
 
 
-def bench_row(b, h, n, d, causal, dtype) -> dict:
+def bench_row(b, h, n, d, causal, dtype, cudagraph: bool = False) -> dict:
     from torch.nn.attention import SDPBackend
 
     q, k, v = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -172,15 +177,50 @@ def bench_row(b, h, n, d, causal, dtype) -> dict:
         if name == "hopper":
             row["tuning"] = tuning_record(plans[name], q, k, causal, timings_before)
         del out, grads
-        ms_fwd = triton.testing.do_bench(lambda: fn(q, k, v, causal), return_mode="median")
-        out = fn(q, k, v, causal)
-        ms_bwd = triton.testing.do_bench(
-            lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), return_mode="median")
+        if cudagraph:
+            stream = torch.cuda.Stream()
+            ms_fwd = graph_bench(lambda: fn(q, k, v, causal), stream)
+            with torch.cuda.stream(stream):
+                out = fn(q, k, v, causal)
+            ms_bwd = graph_bench(
+                lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), stream)
+        else:
+            ms_fwd = triton.testing.do_bench(lambda: fn(q, k, v, causal), return_mode="median")
+            out = fn(q, k, v, causal)
+            ms_bwd = triton.testing.do_bench(
+                lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                return_mode="median")
         del out
         for p, ms, f in (("fwd", ms_fwd, flops), ("bwd", ms_bwd, 2.5 * flops)):
             row["ms"][p][name] = ms
             row["tflops"][p][name] = f / (ms * 1e-3) / 1e12
     return row
+
+
+def graph_bench(fn, stream: torch.cuda.Stream, calls: int = 10, replays: int = 30) -> float:
+    """Median ms per call of ``fn`` over ``replays`` replays of a graph capturing ``calls``
+    calls, on ``stream``. Not ``do_bench_cudagraph``: that captures on a fresh stream, and
+    autograd runs each backward kernel on its forward's stream, so a backward whose forward
+    ran elsewhere cannot be captured. The caller runs the forward on ``stream`` too."""
+    with torch.cuda.stream(stream):
+        fn()  # warm-up off the graph: allocator pools, lazy initialisation
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    times = []
+    with torch.cuda.stream(stream):  # replay() launches on the current stream
+        for _ in range(replays):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
 
 
 def ratio(row: dict, p: str, name: str) -> float | None:
@@ -234,6 +274,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only (B, H, N, D, causal) in {QUICK}")
     parser.add_argument("--out", default="flash-attn-bench", help="path prefix of the .json/.md")
     parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
+    parser.add_argument("--seqlens", default="", help="comma-separated N: only those rows")
     args = parser.parse_args()
 
     if not torch.cuda.is_available() or torch.version.hip:
@@ -248,15 +290,18 @@ def main() -> None:
     dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
     prefix = Path(args.out)
     header = (f"flash_attn on {info.name} ({info.arch}, {info.num_sms} SMs) · torch {torch.__version__} · "
-              f"triton {triton.__version__} · median of do_bench")
-    meta = {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__}
+              f"triton {triton.__version__} · median of do_bench"
+              + (" (CUDA graphs)" if args.cudagraph else ""))
+    meta = {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
+            "cudagraph": args.cudagraph}
     print(header)
     print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'dtype':>9} "
           + " ".join(f"{p}:{m:>8}" for p in PASSES for m in METHODS))
     out, start = [], time.time()
     for dtype in dtypes:
-        for b, h, n, d, causal in rows(args.quick):
-            row = bench_row(b, h, n, d, causal, dtype)
+        seqlens = {int(x) for x in args.seqlens.split(",") if x} or None
+        for b, h, n, d, causal in rows(args.quick, seqlens):
+            row = bench_row(b, h, n, d, causal, dtype, args.cudagraph)
             out.append(row)
             cells = [f"{cell(row, p, m):>13}" for p in PASSES for m in METHODS]
             print(f"{b:2d} {h:3d} {n:6d} {d:4d} {str(causal):>6} {row['dtype']:>9} " + " ".join(cells),

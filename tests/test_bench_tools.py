@@ -50,6 +50,15 @@ def test_sweep_launches_compute_the_gradients(path, device, monkeypatch):
     assert_close(dkdv, torch.cat(grads[1:]), scaled, "dk, dv")
 
 
+def test_flash_bench_rows_by_sequence_length():
+    bench = _load("flash_attn")
+    every = bench.rows(False)
+    assert len(every) == len(bench.SHAPES) * len(bench.DIMS) * 2
+    short = bench.rows(False, {1024})
+    assert short and {r[2] for r in short} == {1024} and set(short) < set(every)
+    assert bench.rows(True, {1024}) == bench.QUICK  # --quick wins
+
+
 def test_sweep_candidates_fit_the_registers():
     sweep = _load("flash_attn_sweep")
 
