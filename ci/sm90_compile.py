@@ -162,7 +162,9 @@ def flash_attn_cases(host, device, quick: bool):
                 for causal in (False, True):
                     name = (f"flash_attn/{variant} {_label(cfg, ('BLOCK_M', 'BLOCK_N'))} "
                             f"{str(dtype)[6:]} D={d} {'causal' if causal else 'full'}")
-                    q, k, v, do = (torch.empty(1, 2, 256, d, dtype=dtype) for _ in range(4))
+                    # Long enough for the backward's descriptor path (BWD_TMA_MIN_SEQ).
+                    n = max(256, cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0))
+                    q, k, v, do = (torch.empty(1, 2, n, d, dtype=dtype) for _ in range(4))
                     scale = 1.0 / math.sqrt(d)
 
                     def launch(plan=plan, q=q, k=k, v=v, do=do, causal=causal, scale=scale):

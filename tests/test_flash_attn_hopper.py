@@ -185,8 +185,10 @@ def _table_cases(device):
         d = 128 if cfg.kwargs.get("ROW_BYTES_MAX", math.inf) >= 256 else 64
         ws = cfg.kwargs.get("WARP_SPECIALIZE", plan.switches["WARP_SPECIALIZE"])
         shapes = (ws, not ws) if "interpreter" in plan.device.capabilities else (ws,)
-        cases += [(triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": w}, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages), d) for w in shapes]
+        # BWD_TMA_MIN_SEQ 0: the backward on descriptors at these short test lengths too.
+        cases += [(triton.Config({**cfg.kwargs, "WARP_SPECIALIZE": w, "BWD_TMA_MIN_SEQ": 0},
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages), d)
+                  for w in shapes]
     return cases
 
 
@@ -206,6 +208,23 @@ def test_every_config_is_correct(case, causal, device, gen):
     plan = _single(_hopper_plan(device), cfg)
     run = lambda q, k, v, c: fa.launch(plan, q, k, v, causal=c)  # noqa: E731
     _check(run, (1, 2, 1, 200, 150, d), causal, torch.float16, device, gen, what=_case_id(case))
+
+
+@pytest.mark.parametrize("min_seq", [0, 200, 201], ids=["zero", "the-length", "one-more"])
+def test_backward_path_follows_the_sequence_length(min_seq, device, gen, monkeypatch):
+    """``BWD_TMA_MIN_SEQ``: below it the descriptor variant's backward runs on pointer
+    loads; either way the gradients are right."""
+    _skip_unless_hopper_runs(device)
+    plan = _hopper_plan(device)
+    cfg = plan.configs[0]
+    plan = _single(plan, triton.Config({**cfg.kwargs, "BWD_TMA_MIN_SEQ": min_seq},
+                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    paths = []
+    launch_dkdv = fa._launch_dkdv
+    monkeypatch.setattr(fa, "_launch_dkdv", lambda *a, **kw: paths.append(a[13]) or launch_dkdv(*a, **kw))
+    run = lambda q, k, v, c: fa.launch(plan, q, k, v, causal=c)  # noqa: E731
+    _check(run, (1, 2, 1, 200, 150, 64), True, torch.float16, device, gen)  # longer: 200
+    assert paths == [min_seq <= 200]
 
 
 COMBOS = [{"DEFERRED": True, "TRANSPOSED": True}, {"HEAD_SPLIT": 2, "DEFERRED": True},

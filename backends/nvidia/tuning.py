@@ -168,10 +168,13 @@ def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
     # 2 stages) it ran 7-17% slower than the best pipelined tile (sweep of 2026-11-30).
     # Triton's fused-attention tutorial runs warp_specialize on Blackwell only. The switch
     # and the loop remain (tested under the interpreter) for later Triton releases.
+    # The backward takes descriptors from 2048 positions on: as kernels (graph replays,
+    # fp16, B=4, H=32, 2026-11-30) its pointer-load kernels were 5-18% faster at N=1024
+    # (per-program descriptor set-up over a short loop) and 3-5% slower at N=4096.
     def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes, tma=True):
         c = _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=row_bytes)
-        return triton.Config({**c.kwargs, "TMA": tma, "WARP_SPECIALIZE": False},
-                             num_warps=warps, num_stages=stages)
+        return triton.Config({**c.kwargs, "TMA": tma, "WARP_SPECIALIZE": False,
+                              "BWD_TMA_MIN_SEQ": 2048}, num_warps=warps, num_stages=stages)
 
     d64, d128 = (_DKDV_D64_TMA, _DQ_D64_TMA), (_DKDV_D128, _DQ_D128)
     return [

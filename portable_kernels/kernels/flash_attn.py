@@ -86,6 +86,8 @@ Config (from the backend's tuning table): ``BLOCK_M``, ``BLOCK_N`` (forward tile
 optional ``BWD_BLOCK_M``, ``BWD_BLOCK_N``, ``BWD_NUM_WARPS``, ``BWD_NUM_STAGES`` (the dk/dv
 kernel; default: the forward's), optional ``DQ_BLOCK_M``, ``DQ_BLOCK_N``, ``DQ_NUM_WARPS``,
 ``DQ_NUM_STAGES`` (the dq kernel; default: the dk/dv kernel's), optional
+``BWD_TMA_MIN_SEQ`` (with ``TMA``: the backward moves tiles through descriptors only when
+the longer sequence has at least this many positions, else through pointers), optional
 ``ROW_BYTES_MAX`` (the config applies when one padded K/V row, ``BLOCK_D`` × element size,
 fits in it; the launcher takes the first config that fits, else the last), ``num_warps``,
 ``num_stages``, and any other keyword (e.g. ``waves_per_eu`` on ROCm) goes to every launch
@@ -126,7 +128,8 @@ _LOG2E = 1.4426950408889634
 # Config keys the launcher reads itself; every other config kwarg is a compiler option.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
                         "BWD_NUM_STAGES", "DQ_BLOCK_M", "DQ_BLOCK_N", "DQ_NUM_WARPS",
-                        "DQ_NUM_STAGES", "ROW_BYTES_MAX", *_CONFIG_SWITCHES})
+                        "DQ_NUM_STAGES", "BWD_TMA_MIN_SEQ", "ROW_BYTES_MAX",
+                        *_CONFIG_SWITCHES})
 # ... of which the forward kernel does not take these (the autotuned path drops them).
 _NOT_FORWARD_KEYS = _HOST_KEYS - {"BLOCK_M", "BLOCK_N", *_CONFIG_SWITCHES}
 # Sequence-length buckets below this are not autotuned: the first config that fits runs.
@@ -894,7 +897,10 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
     dkdv_m, dkdv_n, dq_m, dq_n = _backward_blocks(cfg)
     dkdv_opts, dq_opts = _options(cfg, "dkdv"), _options(cfg, "dq")
     upcast = plan.switches["UPCAST"]
-    tma = plan.switches["TMA"]
+    # Each program builds its tensor descriptors once; over a short sequence its loop is
+    # too short to repay that, and a descriptor variant's config may say from which length
+    # on the backward takes descriptors.
+    tma = plan.switches["TMA"] and max(n_q, n_k) >= cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0)
     if tma and _descriptor_issue(d, do, do, do):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
         # (an expanded scalar's gradient has zero strides): one copy makes it describable.
