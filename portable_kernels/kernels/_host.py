@@ -144,6 +144,21 @@ def scratch_allocator(device: torch.device) -> Iterator[None]:
         _allocation._allocator.reset(token)
 
 
+# --- integer helpers for launch grids and tile sizes ------------------------------------------
+# triton.cdiv and triton.next_power_of_2 are constexpr functions in Triton 3.6: from host
+# code each call costs about 3 µs (argument unwrapping), several of them per launch.
+
+def cdiv(x: int, y: int) -> int:
+    """``ceil(x / y)`` for ints, ``y > 0``."""
+    return -(-x // y)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` for ``n >= 1``, and 0 for 0, as
+    ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 # --- shared by the 1-D elementwise families (vector_add, asin, dropout) ---------------------
 
 def elementwise_launch(plan: Any, n: int) -> tuple[tuple[int], dict]:

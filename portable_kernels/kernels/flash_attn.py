@@ -730,7 +730,7 @@ def tma_accepts(problem: Problem, device) -> str | None:
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _host.next_power_of_2(d))
 
 
 def _config(plan, block_d: int, itemsize: int) -> triton.Config:
@@ -787,7 +787,7 @@ def _switches(plan, block_d: int) -> dict[str, Any]:
 def _bucket(n_q: int, n_k: int) -> int:
     """The autotuning key of a sequence-length pair: the next power of two of the longer
     one, so that lengths of one bucket share a tuning result."""
-    return triton.next_power_of_2(max(n_q, n_k))
+    return _host.next_power_of_2(max(n_q, n_k))
 
 
 def _candidates(configs: list, classes: dict, row: int, bucket: int) -> list:
@@ -868,19 +868,37 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
             # The autotuner's key: N_BUCKET, BLOCK_D, CAUSAL and the dtypes (Lse: fp32).
             plan.run_tuned(
                 _autotuned_forward(plan), (bucket, block_d, causal, q.dtype),
-                lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), b * h),
+                lambda meta: (_host.cdiv(n_q, meta["BLOCK_M"]), b * h),
                 *args, bucket, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
                 RAW_MAX=scale > 0, **tma_switches,
             )
         return out, lse
     cfg = _config(plan, block_d, q.element_size())
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-    _flash_attn_fwd_kernel[(triton.cdiv(n_q, block_m), b * h)](
+    _flash_attn_fwd_kernel[(_host.cdiv(n_q, block_m), b * h)](
         *args, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
         RAW_MAX=scale > 0, **switches, **_options(cfg),
     )
     return out, lse
+
+
+class _BackwardSetup(NamedTuple):
+    blocks: tuple[int, int, int, int]   # see _backward_blocks
+    dkdv_options: dict
+    dq_options: dict
+    tma_min_seq: int
+
+
+def _backward_setup(plan, block_d: int, itemsize: int) -> _BackwardSetup:
+    """What the backward reads from its config, derived once per plan and row size (the
+    launch path runs it on every call)."""
+    def build() -> _BackwardSetup:
+        cfg = _config(plan, block_d, itemsize)
+        return _BackwardSetup(_backward_blocks(cfg), _options(cfg, "dkdv"), _options(cfg, "dq"),
+                              cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0))
+
+    return plan.cached((NAME, "backward", block_d, itemsize), build)
 
 
 def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
@@ -893,21 +911,21 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
     if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: nothing flows back
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = _block_d(d)
-    cfg = _config(plan, block_d, q.element_size())
-    dkdv_m, dkdv_n, dq_m, dq_n = _backward_blocks(cfg)
-    dkdv_opts, dq_opts = _options(cfg, "dkdv"), _options(cfg, "dq")
+    setup = _backward_setup(plan, block_d, q.element_size())
+    dkdv_m, dkdv_n, dq_m, dq_n = setup.blocks
+    dkdv_opts, dq_opts = setup.dkdv_options, setup.dq_options
     upcast = plan.switches["UPCAST"]
     # Each program builds its tensor descriptors once; over a short sequence its loop is
     # too short to repay that, and a descriptor variant's config may say from which length
     # on the backward takes descriptors.
-    tma = plan.switches["TMA"] and max(n_q, n_k) >= cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0)
+    tma = plan.switches["TMA"] and max(n_q, n_k) >= setup.tma_min_seq
     if tma and _descriptor_issue(d, do, do, do):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
         # (an expanded scalar's gradient has zero strides): one copy makes it describable.
         do = do.contiguous()
     pad_d = d != block_d
     delta = torch.empty_like(lse)
-    _flash_attn_bwd_preprocess_kernel[(triton.cdiv(n_q, dq_m), b * h)](
+    _flash_attn_bwd_preprocess_kernel[(_host.cdiv(n_q, dq_m), b * h)](
         out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
         BLOCK_M=dq_m, BLOCK_D=block_d, PAD_D=pad_d, **dq_opts,
     )
@@ -925,7 +943,7 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    _flash_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, block_n), b * h_kv)](
+    _flash_attn_bwd_dkdv_kernel[(_host.cdiv(n_k, block_n), b * h_kv)](
         q, k, v, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
@@ -940,7 +958,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, causal: bool, scale: float,
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    _flash_attn_bwd_dq_kernel[(triton.cdiv(n_q, block_m), b * h)](
+    _flash_attn_bwd_dq_kernel[(_host.cdiv(n_q, block_m), b * h)](
         q, k, v, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,

@@ -239,10 +239,10 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
-        tiles = sum(triton.cdiv(m, bm) * triton.cdiv(n, bn) for m, n, _ in shapes)
+        tiles = sum(_host.cdiv(m, bm) * _host.cdiv(n, bn) for m, n, _ in shapes)
         return (min(tiles, num_sms),)
 
-    keys = [triton.next_power_of_2(max(s[i] for s in shapes)) for i in range(3)]
+    keys = [_host.next_power_of_2(max(s[i] for s in shapes)) for i in range(3)]
     kernel = plan.autotuned(_grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY"],
                             prune_configs_by={"early_config_prune": _prune})
     with _host.scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():

@@ -238,8 +238,8 @@ def _check(x, weight, bias, eps) -> None:
 def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` from the plan's config."""
     cfg = plan.config
-    block_n = min(triton.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
-    block_m = max(1, min(cfg.kwargs["TILE"] // block_n, triton.next_power_of_2(n_rows)))
+    block_n = min(_host.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
+    block_m = max(1, min(cfg.kwargs["TILE"] // block_n, _host.next_power_of_2(n_rows)))
     # Roughly 8 fp32 values per thread per tile: fewer warps for small tiles.
     num_warps = max(1, min(cfg.num_warps, block_m * block_n // 256))
     return block_m, block_n, num_warps
@@ -256,7 +256,7 @@ def _forward(plan, x, weight, bias, eps):
     if y.numel() == 0:
         return y.reshape(x.shape), rows, mean, rstd
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
-    _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+    _layer_norm_fwd_kernel[(_host.cdiv(n_rows, block_m),)](
         rows, weight, bias, y, mean, rstd,
         n_rows, n_cols, rows.stride(0), rows.stride(1), y.stride(0), float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **plan.switches,
@@ -271,7 +271,7 @@ def _backward(plan, dy, rows, weight, mean, rstd):
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
-    n_programs = triton.cdiv(n_rows, block_m)
+    n_programs = _host.cdiv(n_rows, block_m)
     n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
     dw_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
     db_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
@@ -284,9 +284,9 @@ def _backward(plan, dy, rows, weight, mean, rstd):
     )
     dw = torch.empty_like(weight)
     db = torch.empty_like(weight)
-    block_g = min(triton.next_power_of_2(n_groups), 32)
+    block_g = min(_host.next_power_of_2(n_groups), 32)
     block_c = max(1, min(block_n, plan.config.kwargs["TILE"] // block_g))
-    _layer_norm_bwd_dwdb_kernel[(triton.cdiv(n_cols, block_c),)](
+    _layer_norm_bwd_dwdb_kernel[(_host.cdiv(n_cols, block_c),)](
         dw_part, db_part, dw, db, n_groups, n_cols,
         BLOCK_G=block_g, BLOCK_N=block_c, num_warps=max(1, min(num_warps, block_g * block_c // 256)),
         **plan.switches,

@@ -290,13 +290,9 @@ def fit_tiles(configs: list, m: int, n: int) -> list:
     """Autotune pruning: drop configs whose tiles overhang an M x N output by more than a
     64-wide tile (they only add masked-off work and tuning time); keep at least the one
     with the smallest tile."""
-    cap_m, cap_n = max(64, triton.next_power_of_2(m)), max(64, triton.next_power_of_2(n))
+    cap_m, cap_n = max(64, _host.next_power_of_2(m)), max(64, _host.next_power_of_2(n))
     kept = [c for c in configs if c.kwargs["BLOCK_SIZE_M"] <= cap_m and c.kwargs["BLOCK_SIZE_N"] <= cap_n]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_SIZE_M"] * c.kwargs["BLOCK_SIZE_N"])]
-
-
-def _cdiv(x: int, y: int) -> int:
-    return -(-x // y)  # triton.cdiv costs microseconds per call on the launch path
 
 
 def fit_split(configs: list, m: int, n: int, k: int, num_sms: int) -> list:
@@ -307,7 +303,7 @@ def fit_split(configs: list, m: int, n: int, k: int, num_sms: int) -> list:
     for c in configs:
         split = c.kwargs.get("SPLIT_K", 1)
         if split > 1:
-            tiles = _cdiv(m, c.kwargs["BLOCK_SIZE_M"]) * _cdiv(n, c.kwargs["BLOCK_SIZE_N"])
+            tiles = _host.cdiv(m, c.kwargs["BLOCK_SIZE_M"]) * _host.cdiv(n, c.kwargs["BLOCK_SIZE_N"])
             if tiles * split * 4 > num_sms * 5 or k < 4 * split * c.kwargs["BLOCK_SIZE_K"]:
                 continue
         kept.append(c)
@@ -334,7 +330,7 @@ def _split_workspace(configs: list, m: int, n: int, k: int, num_sms: int) -> tup
         split = c.kwargs.get("SPLIT_K", 1)
         if split > 1:
             slices = max(slices, split)
-            tiles = max(tiles, _cdiv(m, c.kwargs["BLOCK_SIZE_M"]) * _cdiv(n, c.kwargs["BLOCK_SIZE_N"]))
+            tiles = max(tiles, _host.cdiv(m, c.kwargs["BLOCK_SIZE_M"]) * _host.cdiv(n, c.kwargs["BLOCK_SIZE_N"]))
     return slices, tiles
 
 
@@ -376,7 +372,7 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
-        units = _cdiv(M, bm) * _cdiv(N, bn) * meta.get("SPLIT_K", 1)
+        units = _host.cdiv(M, bm) * _host.cdiv(N, bn) * meta.get("SPLIT_K", 1)
         return (min(units, num_sms) if meta.get("PERSISTENT", False) else units,)
 
     kernel, switches = _tuned_kernel(plan)
@@ -397,7 +393,7 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                                     lambda: _split_workspace(plan.configs, M, N, K, num_sms))
     elif chosen.get("SPLIT_K", 1) > 1:
         slices = chosen["SPLIT_K"]
-        tiles = _cdiv(M, chosen["BLOCK_SIZE_M"]) * _cdiv(N, chosen["BLOCK_SIZE_N"])
+        tiles = _host.cdiv(M, chosen["BLOCK_SIZE_M"]) * _host.cdiv(N, chosen["BLOCK_SIZE_N"])
     else:
         slices = tiles = 0  # tuned to an unsplit config: no per-call allocation, no zeroing
     if slices:

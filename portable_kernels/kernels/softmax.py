@@ -101,7 +101,7 @@ def launch(plan, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if out.numel() == 0:
         return out.reshape(moved.shape).movedim(-1, dim)
     cfg = plan.config
-    block = min(triton.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
+    block = min(_host.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
     # Roughly 8 fp32 values per thread: fewer warps for short rows, the config's cap for long.
     num_warps = max(1, min(cfg.num_warps, block // 256))
     _softmax_kernel[(rows.shape[0],)](
