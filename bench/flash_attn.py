@@ -15,12 +15,13 @@ three gradients, with the library's "attention" tolerance (its absolute part sca
 gradients' magnitude for those); a wrong result is reported and not timed. Times are the median of
 ``triton.testing.do_bench`` (with ``--cudagraph``, of replays of a captured CUDA graph of
 ten calls, see :func:`graph_bench`: the host's time per call is out, so short rows compare
-kernels, not Python and launch paths; nothing clears the L2 cache between calls). The forward counts ``4·B·H·N²·D`` FLOPs (half when causal),
-the backward 2.5 times that; the backward is timed alone, as
-``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` after one forward. The
-first call of each shape compiles and autotunes our kernels; results persist in the
-library's tuning cache (``PK_CACHE_DIR``). The autotuner's timing of every candidate is kept
-in the JSON (``tuning``), which says what warp specialization is worth on this GPU.
+kernels, not Python and launch paths; nothing clears the L2 cache between calls). The
+forward counts ``4·B·H·N²·D`` FLOPs (half when causal), the backward 2.5 times that; the
+backward is timed alone, as ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``
+after one forward. The first call of each shape compiles and autotunes our kernels; results
+persist in the library's tuning cache (``PK_CACHE_DIR``). The autotuner's timing of every
+candidate is kept in the JSON (``tuning``), which says what warp specialization is worth on
+this GPU.
 
     python bench/flash_attn.py [--quick | --seqlens 1024,...] [--out PREFIX]
                                [--dtypes fp16,bf16] [--cudagraph]

@@ -76,8 +76,8 @@ queries and loops over key blocks. ``dS = P ∘ (dP - delta)`` is the gradient o
 scores, hence the final ``· sm_scale`` on dq and dk. Each kernel holds one block and
 streams the other, so each has its own tile: dk/dv holds keys and streams few queries, dq
 holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq
-tile ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA, every tile of both
-kernels moves through descriptors; an incoming gradient they cannot describe (autograd may
+tile ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA (from the config's
+``BWD_TMA_MIN_SEQ`` positions on), every tile of both kernels moves through descriptors; an incoming gradient they cannot describe (autograd may
 hand over an expanded or strided view) is copied once first. The loops are software-pipelined, not
 warp-specialized (the dk/dv kernel's loop nest is outside what triton 3.6 specializes for
 sm_90).
