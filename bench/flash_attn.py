@@ -299,8 +299,8 @@ def main() -> None:
     print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'dtype':>9} "
           + " ".join(f"{p}:{m:>8}" for p in PASSES for m in METHODS))
     out, start = [], time.time()
+    seqlens = {int(x) for x in args.seqlens.split(",") if x} or None
     for dtype in dtypes:
-        seqlens = {int(x) for x in args.seqlens.split(",") if x} or None
         for b, h, n, d, causal in rows(args.quick, seqlens):
             row = bench_row(b, h, n, d, causal, dtype, args.cudagraph)
             out.append(row)

@@ -843,6 +843,16 @@ def _autotuned_forward(plan):
     return plan.cached((NAME, "autotuned forward"), build)
 
 
+def _forward_setup(plan, block_d: int, itemsize: int) -> tuple[int, int, dict]:
+    """``(BLOCK_M, BLOCK_N, launch options)`` of the pointer-path forward, derived once per
+    plan and row size."""
+    def build() -> tuple[int, int, dict]:
+        cfg = _config(plan, block_d, itemsize)
+        return cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], _options(cfg)
+
+    return plan.cached((NAME, "forward", block_d, itemsize), build)
+
+
 def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq))."""
     b, h, n_q, d = q.shape
@@ -873,12 +883,11 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
                 RAW_MAX=scale > 0, **tma_switches,
             )
         return out, lse
-    cfg = _config(plan, block_d, q.element_size())
-    block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    block_m, block_n, opts = _forward_setup(plan, block_d, q.element_size())
     _flash_attn_fwd_kernel[(_host.cdiv(n_q, block_m), b * h)](
         *args, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        RAW_MAX=scale > 0, **switches, **_options(cfg),
+        RAW_MAX=scale > 0, **switches, **opts,
     )
     return out, lse
 
