@@ -10,6 +10,7 @@ import copy
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
 import triton
 import triton.testing
 
@@ -30,6 +31,11 @@ def _bench_replayed(kernel_call: Callable[[], None], quantiles: Any = None) -> A
     the autotuner expects."""
     kernel_call()
     try:
+        # do_bench_cudagraph's first calls run on a new stream, not ordered after this
+        # launch: they would overlap it on the arguments both use (split-K counters, which
+        # an overlapping launch can leave non-zero for every later call).
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(kernel_call, quantiles=quantiles)
     except RuntimeError:
         return triton.testing.do_bench(kernel_call, quantiles=quantiles)

@@ -312,19 +312,17 @@ def test_split_k_tma_variant_four_warps(device, gen, nan_empty, split_k):
 
 def test_split_k_is_deterministic_and_leaves_counters_at_zero(device, gen, monkeypatch):
     # The last slice sums the partials in slice order, so reruns agree bit for bit, and it
-    # resets its tile's counter, so relaunching one launch's arguments (as the autotuner
-    # does) starts from zero again.
+    # resets its tile's counter, so the next launch (the autotuner's relaunch with the same
+    # arguments, or the next call on the stream's kept counters) starts from zero again.
     a = _rand(gen, 130, 200, dtype=torch.float16, device=device)
     b = _rand(gen, 200, 72, dtype=torch.float16, device=device)
-    zeros, counters = torch.zeros, []
+    kept, counters = matmul_module._counters.kept_zeros, []
 
-    def spy(*args, **kwargs):
-        t = zeros(*args, **kwargs)
-        if t.dtype == torch.int32:
-            counters.append(t)
-        return t
+    def spy(device, n):
+        counters.append(kept(device, n))
+        return counters[-1]
 
-    monkeypatch.setattr(torch, "zeros", spy)
+    monkeypatch.setattr(matmul_module._counters, "kept_zeros", spy)
     for variant in ("generic", TMA):
         plan = _plan_with(variant, a, b, SPLIT_K=3)
         first = matmul_module.launch(plan, a, b)
@@ -357,25 +355,38 @@ def test_tuned_unsplit_problems_allocate_no_workspace(device, gen, monkeypatch, 
     plan.autotuned(matmul_module._matmul_kernel, key=["M", "N", "K", "A_T", "B_T"],
                    do_bench=do_bench, prune_configs_by={"early_config_prune": lambda configs, nargs, **kw:
                                                           matmul_module.candidates(configs, 64, 64, 256, 2)})
-    zeros, counters = torch.zeros, []
+    zeros, empty, partials, counters, stand_ins = torch.zeros, torch.empty, [], [], []
 
-    def spy(*args, **kwargs):
+    def counters_spy(device, n):
+        counters.append(n)
+        return zeros(n, dtype=torch.int32, device=device)
+
+    def zeros_spy(*args, **kwargs):
         t = zeros(*args, **kwargs)
         if t.dtype == torch.int32:
-            counters.append(t.numel())
+            stand_ins.append(t.numel())
         return t
 
-    monkeypatch.setattr(torch, "zeros", spy)
+    def empty_spy(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.dim() == 3 and t.dtype == torch.float32:
+            partials.append(t.shape)
+        return t
+
+    monkeypatch.setattr(matmul_module._counters, "kept_zeros", counters_spy)
+    monkeypatch.setattr(torch, "zeros", zeros_spy)
+    monkeypatch.setattr(torch, "empty", empty_spy)
     allocated = []
     for _ in range(4):
         _check(matmul_module.launch(plan, a, b), a, b)
-        allocated.append(len(counters))
+        allocated.append((len(partials), len(counters), len(stand_ins)))
     assert len(timed) == 2  # both candidates were timed, once
     assert plan.chosen(plan.autotuned(matmul_module._matmul_kernel, key=[]),
                        (64, 64, 256, False, False, torch.float16))["SPLIT_K"] == 1
-    # The untuned first launch allocates the workspace; the second the plan's one-element
-    # stand-ins for unsplit kernels (kept); later launches nothing.
-    assert allocated == [1, 2, 2, 2]
+    # The untuned first launch asks for the workspace (partials and counters); the second
+    # makes the plan's one-element stand-ins for unsplit kernels (kept); later launches
+    # nothing.
+    assert allocated == [(1, 1, 0), (1, 1, 1), (1, 1, 1), (1, 1, 1)]
 
 
 def test_split_k_pruning():

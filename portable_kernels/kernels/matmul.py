@@ -32,8 +32,9 @@ times as many programs stream the operands. Every slice stores its fp32 partial 
 increment with release/acquire semantics); the slice that arrives last sums the
 ``SPLIT_K`` partials in slice order (so the result does not depend on arrival order),
 stores the tile and resets the counter to zero. One launch, no second pass; the launcher
-allocates the workspace (zeroed counters) only for problems where the pruning keeps a
-split config.
+allocates the partials only for problems where the pruning keeps a split config, and since
+each launch leaves the counters at zero, it keeps them per stream (``_counters``) instead
+of zero-filling new ones per call.
 
 Variants: ``generic`` (pointer loads, one program per tile) here; the NVIDIA backend
 registers ``nvidia.persistent_tma`` (TMA + PERSISTENT + WARP_SPECIALIZE) over the same
@@ -51,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _host, _tiles
+from . import _counters, _host, _tiles
 
 NAME = "matmul"
 
@@ -398,7 +399,7 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         slices = tiles = 0  # tuned to an unsplit config: no per-call allocation, no zeroing
     if slices:
         partials = torch.empty((slices, M, N), dtype=torch.float32, device=a.device)
-        counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+        counters = _counters.kept_zeros(a.device, tiles)  # the kernel leaves them at zero
     else:
         # Never read; real tensors of the same dtypes, so that the kernels compiled for
         # these calls are the ones split-capable problems use for their unsplit configs.
