@@ -18,7 +18,7 @@ cache; the timing process then loads them.
 
     python bench/flash_attn_sweep.py [--dims 64,128] [--n 4096] [--batch 4] [--heads 32]
                                      [--dtype fp16] [--jobs 12] [--out PREFIX] [--quick]
-                                     [--kernels fwd,dkdv,dq]
+                                     [--kernels fwd,dkdv,dq] [--table]
 
 Prints, per (D, causal) and kernel, the fastest settings and their TFLOP/s; writes every
 timing to ``PREFIX.json``. This is a tuning tool: its winners go into the NVIDIA backend's
@@ -57,11 +57,13 @@ FWD_WS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2)]
 # dk/dv: BLOCK_N keys held, BLOCK_M queries streamed.
 DKDV = [(32, 128, 4, s) for s in (2, 3, 4, 5)] + [(32, 128, 8, s) for s in (2, 3)] \
     + [(64, 128, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
-    + [(32, 64, 4, s) for s in (3, 5)] + [(16, 128, 4, 4), (64, 128, 4, 2)]
+    + [(32, 64, 4, s) for s in (3, 5)] + [(16, 128, 4, 4), (64, 128, 4, 2)] \
+    + [(64, 64, 8, s) for s in (2, 3)] + [(128, 64, 8, s) for s in (2, 3)] + [(128, 64, 4, 2)]
 # dq: BLOCK_M queries held, BLOCK_N keys streamed.
 DQ = [(128, 32, 4, s) for s in (2, 3, 4, 5)] + [(128, 32, 8, s) for s in (2, 3)] \
     + [(128, 64, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
-    + [(64, 32, 4, s) for s in (3, 5)] + [(128, 16, 4, 4), (128, 64, 4, 2), (32, 128, 8, 2)]
+    + [(64, 32, 4, s) for s in (3, 5)] + [(128, 16, 4, 4), (128, 64, 4, 2), (32, 128, 8, 2)] \
+    + [(128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 4, 3)]
 QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4]}
 PATHS = {"fwd": ("tma", "ptr", "ws"), "dkdv": ("tma", "ptr"), "dq": ("tma", "ptr")}
 
@@ -74,13 +76,42 @@ def fits(kernel: str, tile, d: int) -> bool:
     return held * d / (warps * 32) <= 160
 
 
+def table_tiles(configs: list, d: int) -> dict[str, list[tuple]]:
+    """A flash_attn tuning table's tiles for fp16 rows of head dim ``d``, each as
+    (BLOCK_M, BLOCK_N, warps, stages): the forward's candidates (the row class the backward's
+    config is in) and the one dk/dv and one dq tile the backward takes (the first config
+    whose ``ROW_BYTES_MAX`` fits, as the launcher takes it)."""
+    row = fa._block_d(d) * 2
+    first = next((c for c in configs if c.kwargs.get("ROW_BYTES_MAX", row) >= row), configs[-1])
+    row_class = first.kwargs.get("ROW_BYTES_MAX")
+    dkdv_m, dkdv_n, dq_m, dq_n = fa._backward_blocks(first)
+    dkdv, dq = fa._options(first, "dkdv"), fa._options(first, "dq")
+    return {"fwd": [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                    for c in configs if c.kwargs.get("ROW_BYTES_MAX") == row_class],
+            "dkdv": [(dkdv_m, dkdv_n, dkdv["num_warps"], dkdv["num_stages"])],
+            "dq": [(dq_m, dq_n, dq["num_warps"], dq["num_stages"])]}
+
+
+def hopper_configs() -> list:
+    """The ``nvidia.hopper`` variant's tuning table on this device."""
+    q = torch.empty(1, 1, 1, 64, device=DEVICE, dtype=torch.float16)
+    with pk.use_variant(flash_attn="nvidia.hopper"):
+        return pk.get_kernel("flash_attn").plan(q, q, q).configs
+
+
 def candidates(args) -> list[tuple]:
     """Every (kernel, d, causal, path, tile) to compile and time."""
-    grids = QUICK if args.quick else {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+    def grid(kernel: str, d: int, path: str) -> list[tuple]:
+        if args.table:
+            return table_tiles(args.table, d)[kernel]
+        if path == "ws":
+            return FWD_WS
+        return (QUICK if args.quick else {"fwd": FWD, "dkdv": DKDV, "dq": DQ})[kernel]
+
     return [(kernel, d, causal, path, tile)
             for kernel in args.kernels
             for d in args.dims for causal in (False, True) for path in PATHS[kernel]
-            for tile in (FWD_WS if path == "ws" else grids[kernel]) if fits(kernel, tile, d)]
+            for tile in grid(kernel, d, path) if fits(kernel, tile, d)]
 
 
 def inputs(b, h, n, d, dtype, seed=0):
@@ -190,6 +221,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=12, help="compile processes")
     parser.add_argument("--out", default="flash-attn-sweep")
     parser.add_argument("--quick", action="store_true", help="four candidates per kernel")
+    parser.add_argument("--table", action="store_true",
+                        help="only the nvidia.hopper table's tiles, on every path (e.g. to "
+                             "see which path its backward should take at this --n)")
     parser.add_argument("--kernels", default="fwd,dkdv,dq", help="which of fwd, dkdv, dq")
     args = parser.parse_args()
     args.dims = [int(x) for x in args.dims.split(",")]
@@ -200,6 +234,7 @@ def main() -> None:
         sys.exit("bench/flash_attn_sweep.py times kernels on an NVIDIA GPU; none here")
     dtype = DTYPES[args.dtype]
     b, h, n = args.batch, args.heads, args.n
+    args.table = hopper_configs() if args.table else None
     cands = candidates(args)
     start = time.time()
     errors = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import portable_kernels as pk  # noqa: F401  (chooses the interpreter first)
-from portable_kernels import launch
+from portable_kernels import launch, plugins
 from portable_kernels.testing import assert_close, tolerance
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -63,7 +63,7 @@ def test_sweep_candidates_fit_the_registers():
     sweep = _load("flash_attn_sweep")
 
     class Args:
-        dims, quick, kernels = [64, 128], False, ["fwd", "dkdv", "dq"]
+        dims, quick, kernels, table = [64, 128], False, ["fwd", "dkdv", "dq"], None
 
     cands = sweep.candidates(Args)
     assert {c[0] for c in cands} == {"fwd", "dkdv", "dq"}
@@ -72,6 +72,33 @@ def test_sweep_candidates_fit_the_registers():
     assert all(sweep.fits(kernel, tile, d) for kernel, d, _, _, tile in cands)
     # dk/dv holds two fp32 accumulators of BLOCK_N x D: 128 keys at D=128 need 8 warps.
     assert not sweep.fits("dkdv", (32, 128, 4, 3), 128) and sweep.fits("dkdv", (32, 128, 8, 3), 128)
+
+
+def test_sweep_table_tiles_are_the_ones_the_launcher_takes():
+    """``--table`` sweeps the Hopper table's own tiles: per head dim, the backward config the
+    launcher takes first and the forward configs of its row class."""
+    from backends.nvidia import tuning
+    from portable_kernels.kernels import flash_attn as fa
+
+    sweep = _load("flash_attn_sweep")
+    configs = tuning.flash_attn_hopper(plugins.host().emulation_profile("h200"))
+
+    class Args:
+        dims, quick, kernels, table = [64, 128], False, ["fwd", "dkdv", "dq"], configs
+
+    cands = sweep.candidates(Args)
+    for d in (64, 128):
+        cfg = next(c for c in configs if c.kwargs["ROW_BYTES_MAX"] >= 2 * d)  # fp16 rows
+        dkdv_m, dkdv_n, dq_m, dq_n = fa._backward_blocks(cfg)
+        dkdv, dq = fa._options(cfg, "dkdv"), fa._options(cfg, "dq")
+        tiles = {(c[0], c[4]) for c in cands if c[1] == d}
+        assert ("dkdv", (dkdv_m, dkdv_n, dkdv["num_warps"], dkdv["num_stages"])) in tiles
+        assert ("dq", (dq_m, dq_n, dq["num_warps"], dq["num_stages"])) in tiles
+        assert len({t for k, t in tiles if k != "fwd"}) <= 2
+        forward = {t for k, t in tiles if k == "fwd"}
+        assert (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages) in forward
+        # every path (descriptors and pointers, both orders of causal) for each tile
+        assert {c[3] for c in cands if c[1] == d and c[0] == "dkdv"} == {"tma", "ptr"}
 
 
 def test_autotuner_timer_falls_back_when_capture_fails(monkeypatch):
