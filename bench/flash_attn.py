@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -46,10 +43,11 @@ import triton
 from portable_kernels.kernels import flash_attn as fa
 from portable_kernels.testing import Tolerance, tolerance
 
+import _common  # bench/, beside this script
+
 SHAPES = [(4, 32, 1024), (4, 32, 4096), (1, 32, 16384)]   # (B, H, N)
 QUICK = [(4, 32, 4096, 64, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, True)]
 DIMS = (64, 128)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OURS = {"hopper": "nvidia.hopper", "generic": "generic"}
 SDPA = ("cudnn", "flash")
 METHODS = SDPA + tuple(OURS)
@@ -264,37 +262,16 @@ def _label(r: dict) -> str:
     return f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {'causal' if r['causal'] else 'full'} {r['dtype']}"
 
 
-def write(prefix: Path, rows_: list[dict], meta: dict, header: str) -> None:
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows_}, indent=1))
-    prefix.with_suffix(".md").write_text(markdown(rows_, header))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"only (B, H, N, D, causal) in {QUICK}")
-    parser.add_argument("--out", default="flash-attn-bench", help="path prefix of the .json/.md")
-    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
-    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
+    parser = _common.options(__doc__, "flash-attn-bench", f"only (B, H, N, D, causal) in {QUICK}")
     parser.add_argument("--seqlens", default="", help="comma-separated N: only those rows")
     args = parser.parse_args()
-
-    if not torch.cuda.is_available() or torch.version.hip:
-        sys.exit("bench/flash_attn.py measures NVIDIA GPUs (against cuDNN and FlashAttention "
-                 "SDPA); no CUDA GPU here. On the CPU interpreter every launch costs "
-                 "milliseconds, so there is nothing to compare; run the tests instead "
-                 "(python -m pytest tests/test_flash_attn.py tests/test_flash_attn_hopper.py).")
-    info = pk.device_info(DEVICE)
-    if "interpreter" in info.capabilities:
-        sys.exit("bench/flash_attn.py: kernels run under Triton's interpreter in this process "
-                 "(TRITON_INTERPRET/PK_INTERPRET is set); unset it to benchmark compiled kernels")
-    dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
+    info = _common.nvidia_gpu("bench/flash_attn.py", "against cuDNN and FlashAttention SDPA",
+                              "tests/test_flash_attn.py tests/test_flash_attn_hopper.py")
+    dtypes = _common.dtypes(args.dtypes)
     prefix = Path(args.out)
-    header = (f"flash_attn on {info.name} ({info.arch}, {info.num_sms} SMs) · torch {torch.__version__} · "
-              f"triton {triton.__version__} · median of do_bench"
-              + (" (CUDA graphs)" if args.cudagraph else ""))
-    meta = {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
-            "cudagraph": args.cudagraph}
+    header = _common.header("flash_attn", info, args.cudagraph)
+    meta = _common.meta(info, args.cudagraph)
     print(header)
     print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'dtype':>9} "
           + " ".join(f"{p}:{m:>8}" for p in PASSES for m in METHODS))
@@ -307,7 +284,8 @@ def main() -> None:
             cells = [f"{cell(row, p, m):>13}" for p in PASSES for m in METHODS]
             print(f"{b:2d} {h:3d} {n:6d} {d:4d} {str(causal):>6} {row['dtype']:>9} " + " ".join(cells),
                   flush=True)
-            write(prefix, out, {**meta, "elapsed_s": time.time() - start}, header)
+            _common.write(prefix, out, {**meta, "elapsed_s": time.time() - start},
+                          lambda rows_: markdown(rows_, header))
             torch.cuda.empty_cache()
     for r in out:
         for name, e in r["error"].items():

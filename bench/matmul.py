@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
-import argparse
 import dataclasses
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -42,11 +39,12 @@ from portable_kernels.kernels import matmul as matmul_module
 from portable_kernels.launch import LaunchPlan
 from portable_kernels.testing import max_error, tolerance
 
+import _common  # bench/, beside this script
+
 SQUARE = [1024, 2048, 4096, 8192]
 LLM_M = [16, 128, 4096]
 LLM_NK = [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336)]
 QUICK = [(4096, 4096, 4096), (16, 4096, 4096), (4096, 14336, 4096)]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TMA = "nvidia.persistent_tma"
 DEVICE = "cuda"
 OURS = ("persistent_tma", "persistent_tma_nows", "generic")
@@ -207,12 +205,6 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(prefix: Path, rows: list[dict], meta: dict, header: str) -> None:
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    prefix.with_suffix(".md").write_text(markdown(rows, header))
-
-
 def plot(prefix: Path, rows: list[dict]) -> None:
     try:
         import matplotlib
@@ -236,31 +228,16 @@ def plot(prefix: Path, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
-    parser.add_argument("--out", default="matmul-bench", help="path prefix of the .json/.md/.png")
-    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+    parser = _common.options(__doc__, "matmul-bench", f"only {QUICK}")
     parser.add_argument("--shapes", default="", help="comma-separated MxNxK list instead")
-    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
     args = parser.parse_args()
-
-    if not torch.cuda.is_available() or torch.version.hip:
-        sys.exit("bench/matmul.py measures NVIDIA GPUs (cuBLAS, TMA); no CUDA GPU here. "
-                 "On the CPU interpreter every launch costs milliseconds, so there is nothing "
-                 "to compare; run the tests instead (python -m pytest tests/test_matmul.py).")
-    info = pk.device_info("cuda")
-    if "interpreter" in info.capabilities:
-        sys.exit("bench/matmul.py: kernels run under Triton's interpreter in this process "
-                 "(TRITON_INTERPRET/PK_INTERPRET is set); unset it to benchmark compiled kernels")
-    dtypes = [DTYPES[d.strip()] for d in args.dtypes.split(",")]
+    info = _common.nvidia_gpu("bench/matmul.py", "cuBLAS, TMA", "tests/test_matmul.py")
+    dtypes = _common.dtypes(args.dtypes)
     lt = cublaslt_matmul()
     prefix = Path(args.out)
-    header = (f"matmul on {info.name} ({info.arch}, {info.num_sms} SMs) · torch {torch.__version__} · "
-              f"triton {triton.__version__} · median of do_bench"
-              + (" (CUDA graphs)" if args.cudagraph else "")
+    header = (_common.header("matmul", info, args.cudagraph)
               + ("" if lt is not None else " · cuBLASLt binding not available"))
-    meta = {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
-            "cudagraph": args.cudagraph, "cublaslt": lt is not None}
+    meta = {**_common.meta(info, args.cudagraph), "cublaslt": lt is not None}
     print(header)
     print(f"{'M':>6} {'N':>6} {'K':>6} {'dtype':>8} " + " ".join(f"{m:>20}" for m in METHODS))
     rows = []
@@ -278,7 +255,8 @@ def main() -> None:
                 else:
                     cells.append(_failure(row["error"].get(name, "not timed")))
             print(f"{m:6d} {n:6d} {k:6d} {row['dtype']:>8} " + " ".join(f"{c:>20}" for c in cells), flush=True)
-            write(prefix, rows, {**meta, "elapsed_s": time.time() - start}, header)
+            _common.write(prefix, rows, {**meta, "elapsed_s": time.time() - start},
+                          lambda rows_: markdown(rows_, header))
     plot(prefix, rows)
     for r in rows:
         for name, e in r["error"].items():

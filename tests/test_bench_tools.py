@@ -4,6 +4,7 @@ against autograd, and the autotuner's timer falling back when graph capture fail
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def _load(name: str):
+    if str(BENCH) not in sys.path:  # the benches import their shared _common module
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"_pk_bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -57,6 +60,24 @@ def test_flash_bench_rows_by_sequence_length():
     short = bench.rows(False, {1024})
     assert short and {r[2] for r in short} == {1024} and set(short) < set(every)
     assert bench.rows(True, {1024}) == bench.QUICK  # --quick wins
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+@pytest.mark.parametrize("script,tests", [("matmul", "tests/test_matmul.py"),
+                                          ("flash_attn", "tests/test_flash_attn.py")])
+def test_benches_exit_with_the_reason_without_a_gpu(script, tests):
+    """Without a CUDA GPU a bench exits non-zero, saying why and what to run instead."""
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"bench/{script}.py measures NVIDIA GPUs" in proc.stderr and tests in proc.stderr
+
+
+def test_bench_dtype_option_names_the_choices():
+    common = _load("_common")
+    assert common.dtypes("fp16, bf16") == [torch.float16, torch.bfloat16]
+    with pytest.raises(SystemExit, match="unknown fp8; choose among fp16, bf16"):
+        common.dtypes("fp16,fp8")
 
 
 def test_sweep_candidates_fit_the_registers():

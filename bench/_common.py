@@ -1,0 +1,74 @@
+"""What the vendor-comparison benchmarks (``matmul.py``, ``flash_attn.py``) share: their
+common options, the check that they time compiled kernels on an NVIDIA GPU, and the header
+and metadata that name the machine and versions in every result file."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+import portable_kernels as pk
+from portable_kernels.device import DeviceInfo
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def options(doc: str, out: str, quick: str) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark takes: ``--quick`` (help ``quick``),
+    ``--out`` (default ``out``), ``--dtypes`` and ``--cudagraph``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", default=out, help="path prefix of the result files")
+    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
+    return parser
+
+
+def dtypes(arg: str) -> list[torch.dtype]:
+    """The dtypes of a ``--dtypes`` value; exits naming the choices on an unknown one."""
+    names = [d.strip() for d in arg.split(",") if d.strip()]
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown or not names:
+        sys.exit(f"--dtypes: unknown {', '.join(unknown) or 'empty list'}; choose among "
+                 f"{', '.join(DTYPES)}")
+    return [DTYPES[n] for n in names]
+
+
+def nvidia_gpu(script: str, against: str, tests: str) -> DeviceInfo:
+    """The CUDA device's info; exits with the reason when this process cannot time compiled
+    kernels on an NVIDIA GPU (``against``: what the script compares with; ``tests``: the
+    test files to run instead)."""
+    if not torch.cuda.is_available() or torch.version.hip:
+        sys.exit(f"{script} measures NVIDIA GPUs ({against}); no CUDA GPU here. On the CPU "
+                 "interpreter every launch costs milliseconds, so there is nothing to compare; "
+                 f"run the tests instead (python -m pytest {tests}).")
+    info = pk.device_info("cuda")
+    if "interpreter" in info.capabilities:
+        sys.exit(f"{script}: kernels run under Triton's interpreter in this process "
+                 "(TRITON_INTERPRET/PK_INTERPRET is set); unset it to benchmark compiled kernels")
+    return info
+
+
+def header(kernel: str, info: DeviceInfo, cudagraph: bool) -> str:
+    """The first line of every table: kernel, GPU, versions and timing method."""
+    return (f"{kernel} on {info.name} ({info.arch}, {info.num_sms} SMs) · torch {torch.__version__} · "
+            f"triton {triton.__version__} · median of do_bench" + (" (CUDA graphs)" if cudagraph else ""))
+
+
+def meta(info: DeviceInfo, cudagraph: bool) -> dict:
+    """The machine and versions, for the JSON file beside the table."""
+    return {"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
+            "cudagraph": cudagraph}
+
+
+def write(prefix: Path, rows: list[dict], meta_: dict, table: Callable[[list[dict]], str]) -> None:
+    """``prefix.json`` (``meta_`` and the rows) and ``prefix.md`` (``table(rows)``),
+    rewritten after every row so that a run cut short keeps what it measured."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps({**meta_, "rows": rows}, indent=1))
+    prefix.with_suffix(".md").write_text(table(rows))
