@@ -15,6 +15,7 @@ import triton
 import triton.testing
 
 from . import tuning_cache
+from ._autotuner import PlanAutotuner
 from .device import DeviceInfo
 from .registry import Variant
 
@@ -109,6 +110,10 @@ class LaunchPlan:
                     if "interpreter" not in self.device.capabilities:
                         autotune_kwargs.setdefault("do_bench", _bench_replayed)
                     tuned = triton.autotune(configs=configs, key=list(key), **autotune_kwargs)(fn)
+                    if len(configs) > 1:
+                        # Near-ties timed again before a pick is kept (compiled kernels only).
+                        tuned.__class__ = PlanAutotuner
+                        tuned.confirm_ties = "interpreter" not in self.device.capabilities
                     name = getattr(fn, "__name__", None) or fn.fn.__name__
                     entry = f"{self.variant.kernel}/{self.variant.name}/{name}"
                     tuned = tuning_cache.attach(tuned, self.device.fingerprint, entry)

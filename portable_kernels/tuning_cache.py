@@ -17,9 +17,11 @@ import re
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from triton.runtime.autotuner import Autotuner
+
+from ._autotuner import PlanAutotuner
 
 __all__ = ["cache_dir", "enabled", "path_for", "attach"]
 
@@ -74,19 +76,6 @@ def _write(path: Path, entry: str, results: dict[str, str]) -> None:
         os.replace(tmp, path)
 
 
-class _PersistingAutotuner(Autotuner):
-    """An Autotuner that writes each newly tuned key to the fingerprint's file."""
-
-    _pk_store: Callable[["_PersistingAutotuner"], None]
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        before = len(self.cache)
-        result = super().run(*args, **kwargs)
-        if len(self.cache) != before:
-            self._pk_store(self)
-        return result
-
-
 def attach(tuner: Any, fingerprint: str, entry: str) -> Any:
     """Pre-fill ``tuner`` (from ``triton.autotune``) with stored results and make it store
     new ones. A tuner with a single config, or with persistence off, is returned as is."""
@@ -110,6 +99,7 @@ def attach(tuner: Any, fingerprint: str, entry: str) -> Any:
             # A read-only home: tuning still works, it is just not remembered.
             logging.getLogger("portable_kernels").warning("cannot store tuning results in %s: %s", path, exc)
 
-    tuner.__class__ = _PersistingAutotuner
-    tuner._pk_store = store
+    if not isinstance(tuner, PlanAutotuner):
+        tuner.__class__ = PlanAutotuner
+    tuner.store = store
     return tuner

@@ -1,0 +1,80 @@
+"""The autotuner of a launch plan: Triton's ``Autotuner``, plus what a plan needs of it.
+
+- **Near-ties are timed again before a pick is kept.** Triton times each config once, one
+  after another. Two configs a few percent apart can then swap places from run to run (the
+  GPU's clocks, what ran just before), and a pick that persists (``tuning_cache``) keeps the
+  slower one on that machine for good. Seen on the H200: 128x14336x4096 fp16 tuned to a
+  descriptor config (0.88x cuBLAS) in one run and to a pointer-load one (0.96x) in
+  another; two later tunings timed them 37 and 35-36 us. So the configs within
+  :data:`TIE_MARGIN` of the fastest (at most :data:`TIE_MAX`) are timed :data:`TIE_ROUNDS`
+  more times, in turns, and the lowest median of all their timings wins.
+- **New picks are handed to a store** (``tuning_cache`` writes them per device
+  fingerprint), after the re-timing, so what persists is the confirmed pick.
+
+A plan turns the re-timing on for compiled kernels (``confirm_ties``); under the
+interpreter a timing is meaningless and every config costs seconds.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+from triton.runtime.autotuner import Autotuner
+
+#: Configs timed within this fraction of the fastest are timed again.
+TIE_MARGIN = 0.05
+#: At most this many (the fastest first).
+TIE_MAX = 3
+#: Further timings of each, in turns.
+TIE_ROUNDS = 2
+
+
+def _median(timing: Any) -> float:
+    # Triton's _bench returns [median, 20th, 80th percentile] (quantiles), or a number.
+    return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
+
+
+class PlanAutotuner(Autotuner):
+    """An ``Autotuner`` (installed on one by changing its class) that re-times near-ties
+    when ``confirm_ties`` is set and calls ``store(self)`` after tuning a new key."""
+
+    confirm_ties: bool = False
+    store: Callable[["PlanAutotuner"], None] | None = None
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        before = set(self.cache)
+        timings_before = getattr(self, "configs_timings", None)
+        result = super().run(*args, **kwargs)
+        new = [key for key in self.cache if key not in before]
+        if not new:
+            return result
+        timings = getattr(self, "configs_timings", None)
+        # Only a key this call benchmarked (not one read from Triton's own disk cache).
+        if self.confirm_ties and timings is not None and timings is not timings_before:
+            for key in new:
+                self._confirm(key, timings, args, kwargs)
+        if self.store is not None:
+            self.store(self)
+        return result
+
+    def _confirm(self, key: Any, timings: dict, args: tuple, kwargs: dict) -> None:
+        ranked = sorted(timings, key=lambda c: _median(timings[c]))
+        if not ranked or self.cache.get(key) is not ranked[0]:
+            return
+        best = _median(timings[ranked[0]])
+        close = [c for c in ranked[:TIE_MAX] if _median(timings[c]) <= best * (1 + TIE_MARGIN)]
+        if len(close) < 2:
+            return
+        samples = {c: [_median(timings[c])] for c in close}
+        # _bench reads the launch's named arguments from self.nargs, which run() clears.
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            for _ in range(TIE_ROUNDS):
+                for c in close:
+                    samples[c].append(_median(self._bench(*args, config=c, **kwargs)))
+        finally:
+            self.nargs = None
+        pick = min(close, key=lambda c: statistics.median(samples[c]))
+        self.cache[key] = pick
+        self.best_config = pick
+        self.configs_timings = {**timings, **{c: [statistics.median(s)] * 3 for c, s in samples.items()}}
