@@ -42,12 +42,12 @@ class PlanAutotuner(Autotuner):
     store: Callable[["PlanAutotuner"], None] | None = None
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        before = set(self.cache)
+        before = len(self.cache)  # keys are only added, in order
         timings_before = getattr(self, "configs_timings", None)
         result = super().run(*args, **kwargs)
-        new = [key for key in self.cache if key not in before]
-        if not new:
+        if len(self.cache) == before:
             return result
+        new = list(self.cache)[before:]
         timings = getattr(self, "configs_timings", None)
         # Only a key this call benchmarked (not one read from Triton's own disk cache).
         if self.confirm_ties and timings is not None and timings is not timings_before:

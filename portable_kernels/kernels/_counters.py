@@ -18,8 +18,8 @@ launches that may overlap share it. :func:`kept_zeros` keeps one per stream:
   launch in the capture gets fresh zeros, as before.
 
 Devices other than CUDA-type GPUs (and the CPU interpreter's) get fresh zeros every call.
-Two graphs captured on one stream never share a buffer, but a graph and eager launches on
-one stream do not either: only launches of one capture, or eager launches of one stream.
+A buffer is shared only by the launches of one capture, or by the eager launches of one
+stream: never by two graphs, nor by a graph and eager launches.
 """
 from __future__ import annotations
 
