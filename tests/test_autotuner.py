@@ -80,3 +80,25 @@ def test_no_retiming_when_off(cache_dir, device):
     # Plans under the interpreter turn it off: there every launch costs seconds.
     kernel, timed = _tune(device, [1.00, 1.01, 1.02], confirm=False)
     assert timed == [128, 256, 512] and kernel.best_config.kwargs["BLOCK_SIZE"] == 128
+
+
+def test_the_first_pick_stands_when_retiming_cannot_run(cache_dir, device, monkeypatch):
+    """Re-timing calls Triton internals; if a release changed them, tuning still ends with
+    the first pick (and stores it) instead of failing."""
+    def changed(*args, **kwargs):
+        raise TypeError("_bench() got an unexpected keyword argument 'config'")
+
+    original = _autotuner.PlanAutotuner._confirm
+
+    def confirm_with_changed_bench(self, key, timings, args, kwargs):
+        # Triton's first pass has timed every config; only the re-timing meets the change.
+        self._bench = changed
+        return original(self, key, timings, args, kwargs)
+
+    monkeypatch.setattr(_autotuner.PlanAutotuner, "_confirm", confirm_with_changed_bench)
+    kernel, timed = _tune(device, [1.00, 1.01, 1.02])
+    assert timed == [128, 256, 512] and kernel.best_config.kwargs["BLOCK_SIZE"] == 128
+    assert kernel.nargs is None
+    stored = json.loads(tuning_cache.path_for(fake_device().fingerprint).read_text())
+    assert list(stored["vector_add/generic/_vector_add_kernel"].values()) == [
+        tuning_cache.config_id(kernel.best_config)]
