@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
-import portable_kernels as pk
 from conftest import ON_CPU
-from portable_kernels import dispatch
 from portable_kernels.kernels import _counters
 from portable_kernels.kernels import matmul as mm
-from portable_kernels.testing import assert_close, tolerance
+from test_matmul import _check, _plan_with, _rand
 
 NEEDS_CUDA = pytest.mark.skipif(ON_CPU or torch.version.cuda is None,
                                 reason="streams and graph capture need a CUDA GPU")
@@ -70,31 +67,14 @@ def test_the_interpreter_and_other_devices_get_fresh_zeros():
     assert a is not b
 
 
-def _split_plan(a, b, split):
-    base = dispatch._launch_plan(pk.explain("matmul", a, b))
-    c = min(base.configs, key=lambda c: c.num_stages * c.kwargs["BLOCK_SIZE_K"]
-            * (c.kwargs["BLOCK_SIZE_M"] + c.kwargs["BLOCK_SIZE_N"]))
-    config = triton.Config({**c.kwargs, "SPLIT_K": split}, num_warps=c.num_warps, num_stages=c.num_stages)
-    return pk.LaunchPlan(base.variant, base.device, [config], base.switches)
-
-
-def _operands(gen, device, m, n, k):
-    return (torch.randn(m, k, generator=gen).to(device, torch.float16),
-            torch.randn(k, n, generator=gen).to(device, torch.float16))
-
-
-def _check(out, a, b):
-    assert_close(out, mm.reference(a, b), tolerance(a.dtype, "dot"), f"{tuple(out.shape)}")
-
-
 def test_matmuls_of_different_splits_share_kept_counters(stream, device, gen):
     """Problems and split factors one after another on one kept buffer: each launch leaves
     its counters at zero for the next (on the interpreter too, through the stand-in
     stream)."""
     shapes = [(67, 45, 200), (130, 72, 264), (67, 45, 200)]
     for (m, n, k), split in zip(shapes, (2, 3, 4)):
-        a, b = _operands(gen, device, m, n, k)
-        _check(mm.launch(_split_plan(a, b, split), a, b), a, b)
+        a, b = (_rand(gen, *shape, dtype=torch.float16, device=device) for shape in ((m, k), (k, n)))
+        _check(mm.launch(_plan_with("generic", a, b, SPLIT_K=split), a, b), a, b)
         assert not _counters._kept[stream["key"]][1].any()
     assert len(_counters._kept) == 1
 
@@ -116,8 +96,8 @@ def test_capture_ids_tell_captures_apart(device):
 def test_split_k_on_streams_and_in_graphs(device, gen):
     """Two streams at once, and two graphs captured on one stream and replayed in the
     other order: each on counters of its own, and the results right."""
-    a, b = _operands(gen, device, 16, 4096, 4096)
-    plan = _split_plan(a, b, 4)
+    a, b = (_rand(gen, *shape, dtype=torch.float16, device=device) for shape in ((16, 4096), (4096, 4096)))
+    plan = _plan_with("generic", a, b, SPLIT_K=4)
     ref = mm.launch(plan, a, b)
     _check(ref, a, b)
     s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
