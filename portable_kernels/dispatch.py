@@ -17,7 +17,7 @@ import torch
 from . import _context, plugins
 from .device import DeviceInfo
 from .errors import NoVariantError, VariantUnavailableError
-from .launch import LaunchPlan
+from .launch import LaunchPlan, device_guard
 from .registry import KernelSpec, Variant
 
 __all__ = [
@@ -262,7 +262,11 @@ class KernelHandle:
         plan = self._cache.get(key)
         if plan is None:
             plan = self._resolve(key)
-        return plan.launch(plan, *args, **kwargs)
+        guard = device_guard(key[0].device)
+        if guard is None:
+            return plan.launch(plan, *args, **kwargs)
+        with guard:
+            return plan.launch(plan, *args, **kwargs)
 
     def _resolve(self, key: tuple) -> LaunchPlan:
         problem, ctx = key

@@ -19,7 +19,82 @@ from ._autotuner import PlanAutotuner
 from .device import DeviceInfo
 from .registry import Variant
 
-__all__ = ["LaunchPlan"]
+__all__ = ["LaunchPlan", "device_guard"]
+
+
+_MISSING = object()
+# Device type -> the function reading its current index, or None where no launch needs a
+# guard: types without a current device (the CPU, meta), and machines with one device of the
+# type, where a tensor's device is always the current one.
+_current_index: dict[str, Callable[[], int] | None] = {}
+
+
+def _index_reader(device_type: str) -> Callable[[], int] | None:
+    mod = getattr(torch, device_type, None)
+    if mod is None or not all(hasattr(mod, f) for f in ("current_device", "device", "device_count")):
+        return None
+    if mod.device_count() < 2:
+        return None
+    if device_type == "cuda" and hasattr(torch._C, "_cuda_getDevice"):
+        return torch._C._cuda_getDevice  # a C call; torch.cuda.current_device wraps it
+    return mod.current_device
+
+
+def device_guard(device: torch.device) -> Any:
+    """A context manager that makes ``device`` current for a launch, or None when it already
+    is (or its type has no current device, as the CPU).
+
+    Triton compiles for and launches on the *current* device and stream, not on its
+    arguments' device: a call whose tensors live on ``cuda:1`` while ``cuda:0`` is current
+    would run on device 0 (triton 3.6 refuses it, mistaking the tensors for CPU ones). Torch's
+    own operators switch devices the same way. On a machine with one device of the type the
+    check is a dict lookup; with several, one C call (about 0.5 µs on the H200 host) and,
+    where the device is not current, a switch there and back (about 9 µs).
+    """
+    current = _current_index.get(device.type, _MISSING)
+    if current is _MISSING:
+        current = _current_index[device.type] = _index_reader(device.type)
+    if current is None or device.index is None or current() == device.index:
+        return None
+    return getattr(torch, device.type).device(device.index)
+
+
+def _graph_replays(fn: Callable[[], None], quantiles: Any = None, rep_ms: float = 20.0) -> Any:
+    """``fn``'s time in ms (or its ``quantiles``), from replays of a CUDA graph of repeated
+    calls captured on a new stream of the current device. As
+    ``triton.testing.do_bench_cudagraph``, except that the capture names its stream: without
+    one, ``torch.cuda.graph`` captures on a stream torch creates once per process, on the
+    device current at the first capture, and switches to that device. A process that tuned
+    on ``cuda:0`` then captured a ``cuda:1`` launch on device 0's stream (seen on two
+    H200s: Triton then refused the ``cuda:1`` pointers)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate = start.elapsed_time(end) / 5
+        repeat = max(1, int(rep_ms / estimate)) if estimate > 0 else 1000
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(repeat):
+                fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / repeat)
+    if quantiles is None:
+        return sum(times) / len(times)
+    ret = torch.quantile(torch.tensor(times), torch.tensor(quantiles, dtype=torch.float)).tolist()
+    return ret[0] if len(ret) == 1 else ret
 
 
 def _bench_replayed(kernel_call: Callable[[], None], quantiles: Any = None) -> Any:
@@ -32,12 +107,12 @@ def _bench_replayed(kernel_call: Callable[[], None], quantiles: Any = None) -> A
     the autotuner expects."""
     kernel_call()
     try:
-        # do_bench_cudagraph's first calls run on a new stream, not ordered after this
-        # launch: they would overlap it on the arguments both use (split-K counters, which
-        # an overlapping launch can leave non-zero for every later call).
+        # The replays' first calls run on a new stream, not ordered after this launch: they
+        # would overlap it on the arguments both use (split-K counters, which an
+        # overlapping launch can leave non-zero for every later call).
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(kernel_call, quantiles=quantiles)
+        return _graph_replays(kernel_call, quantiles=quantiles)
     except RuntimeError:
         return triton.testing.do_bench(kernel_call, quantiles=quantiles)
 

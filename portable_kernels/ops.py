@@ -47,6 +47,7 @@ the first call), so importing it is cheap and decorates no Triton function.
 # annotation (Tensor, Optional) must be imported at runtime, never under TYPE_CHECKING.
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from typing import Optional
@@ -56,6 +57,7 @@ from torch import Tensor
 
 from . import dispatch
 from .errors import InputError
+from .launch import device_guard
 
 __all__ = [
     "asin",
@@ -92,6 +94,12 @@ def _family(name: str):
     """The family's module; imported only after a plan exists, i.e. once the plugins (and
     with them the interpreter choice) are loaded, as ``catalog.py`` requires."""
     return importlib.import_module(f"portable_kernels.kernels.{name}")
+
+
+def _on(device: torch.device):
+    """The device guard for ops that run a family's stages themselves (``handle(...)``
+    calls are guarded by the handle): Triton launches on the current device."""
+    return device_guard(device) or contextlib.nullcontext()
 
 
 def _rows(x: Tensor) -> int:
@@ -216,7 +224,8 @@ def layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor,
     plan = _handle("layer_norm").plan(x, weight, bias, eps)
     family = _family("layer_norm")
     family._check(x, weight, bias, eps)
-    out, _, mean, rstd = family._forward(plan, x, weight.contiguous(), bias.contiguous(), eps)
+    with _on(x.device):
+        out, _, mean, rstd = family._forward(plan, x, weight.contiguous(), bias.contiguous(), eps)
     return out, mean, rstd
 
 
@@ -233,8 +242,9 @@ def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
     """``(dx, dweight, dbias)`` for the upstream gradient ``grad`` (``x``'s shape)."""
     plan = _handle("layer_norm").plan(x)
     n = x.shape[-1]
-    dx, dw, db = _family("layer_norm")._backward(
-        plan, grad.reshape(-1, n), x.reshape(-1, n), weight.contiguous(), mean, rstd)
+    with _on(x.device):
+        dx, dw, db = _family("layer_norm")._backward(
+            plan, grad.reshape(-1, n), x.reshape(-1, n), weight.contiguous(), mean, rstd)
     return dx.reshape(x.shape), dw, db
 
 
@@ -352,7 +362,8 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     """``(out, lse)``: attention output (B, H, Nq, D) in q's dtype and the fp32 natural
     log-sum-exp of the scaled scores (B, H, Nq) that ``flash_attn_backward`` needs."""
     plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale)  # validates the inputs
-    return _family("flash_attn")._forward(plan, q, k, v, bool(causal), _scale(q, sm_scale))
+    with _on(q.device):
+        return _family("flash_attn")._forward(plan, q, k, v, bool(causal), _scale(q, sm_scale))
 
 
 @flash_attn_forward.register_fake
@@ -367,8 +378,9 @@ def flash_attn_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         sm_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes; dk and dv summed over each GQA group."""
     plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale)
-    return _family("flash_attn")._backward(
-        plan, grad, q, k, v, out, lse, bool(causal), _scale(q, sm_scale))
+    with _on(q.device):
+        return _family("flash_attn")._backward(
+            plan, grad, q, k, v, out, lse, bool(causal), _scale(q, sm_scale))
 
 
 @flash_attn_backward.register_fake

@@ -133,7 +133,7 @@ def test_autotuner_timer_falls_back_when_capture_fails(monkeypatch):
         calls.append("do_bench")
         return [1.0, 1.0, 1.0]
 
-    monkeypatch.setattr(launch.triton.testing, "do_bench_cudagraph", graph_bench)
+    monkeypatch.setattr(launch, "_graph_replays", graph_bench)
     monkeypatch.setattr(launch.triton.testing, "do_bench", plain_bench)
     ran = []
     assert launch._bench_replayed(lambda: ran.append(1), quantiles=(0.5,)) == [1.0, 1.0, 1.0]
@@ -143,7 +143,7 @@ def test_autotuner_timer_falls_back_when_capture_fails(monkeypatch):
 def test_autotuner_timer_lets_compile_errors_through(monkeypatch):
     """The first call runs outside the timers, so a config that fails to compile raises
     what the autotuner catches (it marks the config infinitely slow)."""
-    monkeypatch.setattr(launch.triton.testing, "do_bench_cudagraph",
+    monkeypatch.setattr(launch, "_graph_replays",
                         lambda fn, quantiles=None: pytest.fail("timed a failing config"))
 
     def failing():
