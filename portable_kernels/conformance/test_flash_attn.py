@@ -60,6 +60,9 @@ SUITE = KernelSuite(
         # D = 128: the head size descriptor (TMA) variants take, with tails in Nq and Nk.
         Shape("causal_d128", dims=(1, 2, 1, 100, 130, 128), causal=True, quick=True, dtypes=LOW),
         Shape("gqa_bnhd_d80", dims=(2, 2, 1, 77, 140, 80), layout="bnhd", dtypes=LOW),
+        # Nk >= 2048: where the Hopper backward moves its tiles through descriptors
+        # (BWD_TMA_MIN_SEQ); the shorter shapes above take its pointer loads.
+        Shape("long_keys_gqa_d128", dims=(1, 2, 1, 70, 2100, 128), dtypes=LOW),
     ),
 )
 
