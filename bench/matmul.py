@@ -14,11 +14,15 @@ N and K in {4096, 14336}), in fp16 and bf16, on fresh ``torch.randn`` inputs. Co
 Each of ours is checked against ``torch.matmul`` in fp32 (the library's "dot" tolerance)
 before it is timed; a wrong result is reported and not timed. Times are the median of
 ``triton.testing.do_bench`` (CUDA events; with ``--cudagraph`` replayed from a graph, which
-removes host overhead from small problems). The first call of each problem size autotunes
+removes host overhead from small problems; a graph replays one call after another on the same
+operands, so they stay in L2: add ``--cold`` to rotate each call through copies of the
+operands, fresh random values each, that together hold at least three times the L2 cache, as
+a model's layers stream weights that L2 does not hold; ``do_bench`` without graphs flushes
+L2 before each call itself). The first call of each problem size autotunes
 our kernels; results persist in the library's tuning cache (``PK_CACHE_DIR``).
 
     python bench/matmul.py [--quick | --shapes MxNxK,...] [--out PREFIX] [--dtypes fp16,bf16]
-                           [--cudagraph]
+                           [--cudagraph [--cold]]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (so an interrupted run keeps what
 it measured) and ``PREFIX.png`` at the end when matplotlib is installed.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -113,22 +118,47 @@ def best_config(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor) -> str:
     return ", ".join(f"{key}: {value}" for key, value in chosen.items())
 
 
+def operand_copies(m: int, n: int, k: int, dtype: torch.dtype, cold: bool) -> list[tuple]:
+    """``(a, b)`` pairs of fresh random values: one, or with ``cold`` enough that together
+    they hold three times the L2 cache (at most 64)."""
+    count = 1
+    if cold:
+        l2 = getattr(torch.cuda.get_device_properties(DEVICE), "L2_cache_size", 50 << 20)
+        pair = (m * k + k * n) * torch.finfo(dtype).bits // 8
+        count = min(64, max(1, -(-3 * l2 // pair)))
+    return [(torch.randn(m, k, device=DEVICE, dtype=dtype), torch.randn(k, n, device=DEVICE, dtype=dtype))
+            for _ in range(count)]
+
+
+def rotating(call, copies: list[tuple]):
+    """``call(a, b)`` on the next pair of ``copies`` at each call, the first pair first (the
+    one results are checked on); a graph captures each call with its own pair."""
+    turn = [0]
+
+    def fn():
+        a, b = copies[turn[0] % len(copies)]
+        turn[0] += 1
+        return call(a, b)
+
+    return fn
+
+
 def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
-    a = torch.randn(m, k, device=DEVICE, dtype=dtype)
-    b = torch.randn(k, n, device=DEVICE, dtype=dtype)
+    copies = operand_copies(m, n, k, dtype, args.cold)
+    a, b = copies[0]
     b_t = b.t().contiguous()
     c = torch.empty(m, n, device=DEVICE, dtype=dtype)
     ref = torch.matmul(a.float(), b.float())
     tol = tolerance(dtype, "dot")
     flops = 2.0 * m * n * k
     row = {"M": m, "N": n, "K": k, "dtype": str(dtype).replace("torch.", ""),
-           "tflops": {}, "ms": {}, "error": {}, "config": {}}
+           "tflops": {}, "ms": {}, "error": {}, "config": {}, "operand_copies": len(copies)}
 
     def cublaslt():
         lt(a, b_t, c)  # c = a @ b_t.T
         return c
 
-    fns = {"cublas": lambda: torch.matmul(a, b)}  # checked too: the reference is fp32
+    fns = {"cublas": rotating(torch.matmul, copies)}  # checked too: the reference is fp32
     if lt is not None and args.cudagraph:
         # Seen on the H200 (triton 3.6): the binding's launches are not captured (torch
         # warns "The CUDA Graph is empty"), so its replays time nothing.
@@ -142,7 +172,7 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
         for name in OURS:
             row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     for name, plan in plans.items():
-        fns[name] = (lambda plan: lambda: matmul_module.launch(plan, a, b))(plan)
+        fns[name] = rotating(functools.partial(matmul_module.launch, plan), copies)
 
     for name, fn in fns.items():
         try:
@@ -230,14 +260,19 @@ def plot(prefix: Path, rows: list[dict]) -> None:
 def main() -> None:
     parser = _common.options(__doc__, "matmul-bench", f"only {QUICK}")
     parser.add_argument("--shapes", default="", help="comma-separated MxNxK list instead")
+    parser.add_argument("--cold", action="store_true",
+                        help="with --cudagraph: rotate through operand copies larger than L2")
     args = parser.parse_args()
+    if args.cold and not args.cudagraph:
+        parser.error("--cold needs --cudagraph: do_bench without graphs flushes L2 before each call")
     info = _common.nvidia_gpu("bench/matmul.py", "cuBLAS, TMA", "tests/test_matmul.py")
     dtypes = _common.dtypes(args.dtypes)
     lt = cublaslt_matmul()
     prefix = Path(args.out)
     header = (_common.header("matmul", info, args.cudagraph)
+              + (" · cold operands (copies larger than L2)" if args.cold else "")
               + ("" if lt is not None else " · cuBLASLt binding not available"))
-    meta = {**_common.meta(info, args.cudagraph), "cublaslt": lt is not None}
+    meta = {**_common.meta(info, args.cudagraph), "cublaslt": lt is not None, "cold": args.cold}
     print(header)
     print(f"{'M':>6} {'N':>6} {'K':>6} {'dtype':>8} " + " ".join(f"{m:>20}" for m in METHODS))
     rows = []

@@ -14,7 +14,11 @@ each config once (M, N and K here are all multiples of 16, so one binary serves 
 problem), into Triton's on-disk cache; the timing process then loads them.
 
     python bench/matmul_sweep.py [--shapes 128x4096x4096,...] [--dtype bf16] [--jobs 12]
-                                 [--paths tma,ptr] [--quick] [--out PREFIX]
+                                 [--paths tma,ptr] [--quick] [--cold] [--out PREFIX]
+
+With ``--cold`` every call (cuBLAS's too) takes the next of several operand copies that
+together exceed L2, as ``bench/matmul.py --cold`` does: the ranking of tiles when the
+weights come from HBM, as in a model, rather than from L2, as in back-to-back replays.
 
 Prints, per problem, the fastest configs of each path and the current table's choice for
 comparison; writes every timing to ``PREFIX.json``. A tuning tool: its winners go into the
@@ -27,6 +31,7 @@ import portable_kernels as pk  # first: it chooses the interpreter before triton
 
 import argparse
 import concurrent.futures as futures
+import functools
 import itertools
 import json
 import multiprocessing
@@ -41,6 +46,8 @@ from portable_kernels import dispatch
 from portable_kernels.kernels import matmul as mm
 from portable_kernels.launch import LaunchPlan
 from portable_kernels.testing import max_error, tolerance
+
+from matmul import operand_copies, rotating  # bench/matmul.py (this script's directory is on sys.path)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DEVICE = "cuda"
@@ -135,6 +142,7 @@ def main() -> None:
     parser.add_argument("--paths", default="tma,ptr")
     parser.add_argument("--jobs", type=int, default=12, help="compile processes")
     parser.add_argument("--quick", action="store_true", help="two candidates per path")
+    parser.add_argument("--cold", action="store_true", help="rotate through operand copies larger than L2")
     parser.add_argument("--out", default="matmul-sweep")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
@@ -169,15 +177,16 @@ def main() -> None:
     tol = tolerance(dtype, "dot")
     for shape in shapes:
         m, n, k = shape
-        a, b = operands(shape, dtype, seed=1)
+        copies = operand_copies(m, n, k, dtype, args.cold)
+        a, b = copies[0]
         ref = torch.matmul(a.float(), b.float())
         flops = 2.0 * m * n * k
-        cublas = triton.testing.do_bench_cudagraph(lambda: torch.matmul(a, b), return_mode="median")
+        cublas = triton.testing.do_bench_cudagraph(rotating(torch.matmul, copies), return_mode="median")
         table_plan = base_plan(a, b)  # the current table, autotuned as dispatch does
         mm.launch(table_plan, a, b)
-        table_ms = triton.testing.do_bench_cudagraph(lambda: mm.launch(table_plan, a, b),
+        table_ms = triton.testing.do_bench_cudagraph(rotating(functools.partial(mm.launch, table_plan), copies),
                                                      return_mode="median")
-        print(f"\n{m}x{n}x{k} {args.dtype}: cuBLAS {cublas * 1e3:.1f} us "
+        print(f"\n{m}x{n}x{k} {args.dtype}{' (cold operands)' if args.cold else ''}: cuBLAS {cublas * 1e3:.1f} us "
               f"({flops / cublas * 1e-9:.0f} TFLOP/s); the table's pick {table_ms * 1e3:.1f} us "
               f"({cublas / table_ms:.2f}x cuBLAS): {mm_choice(table_plan, a, b)}", flush=True)
         timed = []
@@ -191,8 +200,8 @@ def main() -> None:
                 if not ratio <= 1.0:
                     errors[cand] = f"WRONG at {m}x{n}x{k}: max abs error {err:.3g}"
                     continue
-                ms = triton.testing.do_bench_cudagraph(lambda: mm.launch(plan, a, b), rep=10,
-                                                       return_mode="median")
+                ms = triton.testing.do_bench_cudagraph(rotating(functools.partial(mm.launch, plan), copies),
+                                                       rep=10, return_mode="median")
             except Exception as exc:
                 errors[cand] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]}"
                 continue
@@ -208,7 +217,7 @@ def main() -> None:
             if best and best not in timed[:6]:
                 print(f"  best {path}: {best[2]} {best[0] * 1e3:.1f} us ({cublas / best[0]:.2f}x cuBLAS)")
         Path(args.out).with_suffix(".json").write_text(json.dumps(
-            {"dtype": args.dtype, "results": results,
+            {"dtype": args.dtype, "cold": args.cold, "results": results,
              "errors": {str(key): v for key, v in errors.items()}}, indent=1))
     for cand, err in errors.items():
         print("skipped", cand, err)

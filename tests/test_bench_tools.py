@@ -73,6 +73,16 @@ def test_benches_exit_with_the_reason_without_a_gpu(script, tests):
     assert f"bench/{script}.py measures NVIDIA GPUs" in proc.stderr and tests in proc.stderr
 
 
+def test_matmul_bench_cold_rotates_operand_copies():
+    bench = _load("matmul")
+    copies = [(i, -i) for i in range(3)]
+    fn = bench.rotating(lambda a, b: (a, b), copies)
+    assert [fn() for _ in range(5)] == [copies[0], copies[1], copies[2], copies[0], copies[1]]
+    proc = subprocess.run([sys.executable, str(BENCH / "matmul.py"), "--cold"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--cold needs --cudagraph" in proc.stderr
+
+
 def test_bench_dtype_option_names_the_choices():
     common = _load("_common")
     assert common.dtypes("fp16, bf16") == [torch.float16, torch.bfloat16]
