@@ -283,7 +283,8 @@ class KernelHandle:
     def plan(self, *args: Any, **kwargs: Any) -> LaunchPlan:
         """The :class:`LaunchPlan` this call would launch, without launching: for code that
         runs a family's internal stages itself (``portable_kernels.ops`` runs forward and
-        backward as separate ops). Same cache and errors as a call."""
+        backward as separate ops). Same cache and errors as a call. Such code launches with
+        the tensors' device current, as a call does (``launch.device_guard``)."""
         if plugins._HOST is not self._host:
             self._bind()
         key = (self._problem(*args, **kwargs), _context.current.get())
