@@ -24,6 +24,7 @@ from portable_kernels.testing import assert_close, tolerance
 from conftest import ON_CPU
 from test_flash_attn import _grad_tolerance
 from test_layer_norm import _column_sum_tolerance, _dx_tolerance
+from test_matmul import _rand
 
 NEEDS_TWO_GPUS = pytest.mark.skipif(
     ON_CPU or not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -116,10 +117,6 @@ def second_gpu():
     yield torch.device("cuda", 1)
     assert torch.cuda.current_device() == 0, "a call left another device current"
     torch.cuda.set_device(previous)
-
-
-def _rand(gen, *shape, dtype, device):
-    return torch.randn(*shape, generator=gen).to(device, dtype)
 
 
 def _capture_default_stream_on_device_0():
