@@ -1,13 +1,13 @@
 """What the vendor-comparison benchmarks (``matmul.py``, ``flash_attn.py``) share: their
-common options, the check that they time compiled kernels on an NVIDIA GPU, and the header
-and metadata that name the machine and versions in every result file."""
+common options, the check that they time compiled kernels on an NVIDIA GPU, the header
+and metadata that name the machine and versions in every result file, and their plots."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import triton
@@ -72,3 +72,44 @@ def write(prefix: Path, rows: list[dict], meta_: dict, table: Callable[[list[dic
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps({**meta_, "rows": rows}, indent=1))
     prefix.with_suffix(".md").write_text(table(rows))
+
+
+def plot_missing() -> str:
+    """What ``triton.testing.perf_report`` lacks here to draw ("" when nothing): it builds
+    a pandas table and draws it with matplotlib."""
+    import importlib.util
+
+    return ", ".join(m for m in ("pandas", "matplotlib") if importlib.util.find_spec(m) is None)
+
+
+def save_plots(directory: Path, benchmarks: Sequence[triton.testing.Benchmark],
+               measured: Callable[..., float]) -> str:
+    """Draw ``benchmarks`` through ``triton.testing.perf_report`` into ``directory`` (one
+    ``PLOT_NAME.png`` and ``.csv`` per benchmark, and ``results.html``); returns what was
+    done, for the log.
+
+    ``measured(provider=..., **x, **args)`` returns a value this run measured (NaN where it
+    has none): perf_report draws the run's table rather than timing again, so a plot shows
+    the numbers of the table beside it, checked before they were timed."""
+    missing = plot_missing()
+    if missing:
+        return f"plots not drawn: triton.testing.perf_report needs {missing}, not installed here"
+    if not benchmarks:
+        return "plots not drawn: no rows"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    # A marker on every point: a series with one measured x (e.g. one LLM shape asked for)
+    # would otherwise draw nothing.
+    with matplotlib.rc_context({"lines.marker": "o"}):
+        triton.testing.perf_report(list(benchmarks))(measured).run(save_path=str(directory))
+    plt.close("all")
+    return f"plots: {len(benchmarks)} in {directory}/ (results.html shows them all)"
+
+
+def nan_if_none(value: Any) -> float:
+    """``value``, or NaN (a gap in a perf_report line) when nothing was measured."""
+    return float("nan") if value is None else float(value)

@@ -27,7 +27,10 @@ this GPU.
                                [--dtypes fp16,bf16] [--cudagraph]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (an interrupted run keeps what it
-measured). Needs an NVIDIA GPU; on a CPU-only machine it exits with a message.
+measured) and, at the end, plots through ``triton.testing.perf_report`` in ``PREFIX-plots/``
+(TFLOP/s against N per pass, dtype, head dim and masking; it needs pandas and matplotlib,
+and says so when they are missing). Needs an NVIDIA GPU; on a CPU-only machine it exits
+with a message.
 """
 from __future__ import annotations
 
@@ -258,6 +261,40 @@ def markdown(rows_: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_benchmarks(rows_: list[dict]) -> list[triton.testing.Benchmark]:
+    """The plots of a run, as ``triton.testing.Benchmark`` objects: TFLOP/s against N, one
+    plot per pass, dtype, head dim and masking, one line per method that has a time."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows_:
+        for p in PASSES:
+            groups.setdefault((p, r["dtype"], r["D"], r["causal"]), []).append(r)
+    out = []
+    for (p, dtype, d, causal), group in groups.items():
+        methods = [m for m in METHODS if any(m in r["tflops"][p] for r in group)]
+        if not methods:
+            continue
+        mask = "causal" if causal else "full"
+        out.append(triton.testing.Benchmark(
+            x_names=["N"], x_vals=sorted({r["N"] for r in group}), line_arg="provider",
+            line_vals=methods, line_names=methods,
+            plot_name=f"flash_attn-{p}-{dtype}-d{d}-{mask}",
+            args={"p": p, "dtype": dtype, "D": d, "causal": causal},
+            xlabel=f"N (B=4, H=32; B=1 at 16384), D = {d}, {mask}, {dtype}",
+            ylabel=f"{p} TFLOP/s", x_log=True))
+    return out
+
+
+def measured(rows_: list[dict]):
+    """``perf_report``'s function for :func:`plot_benchmarks`: a row's TFLOP/s."""
+    by_row = {(r["N"], r["D"], r["causal"], r["dtype"]): r for r in rows_}
+
+    def tflops(provider: str, p: str, dtype: str, D: int, causal: bool, N: int) -> float:
+        row = by_row.get((N, D, causal, dtype))
+        return _common.nan_if_none(None if row is None else row["tflops"][p].get(provider))
+
+    return tflops
+
+
 def _label(r: dict) -> str:
     return f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {'causal' if r['causal'] else 'full'} {r['dtype']}"
 
@@ -287,6 +324,7 @@ def main() -> None:
             _common.write(prefix, out, {**meta, "elapsed_s": time.time() - start},
                           lambda rows_: markdown(rows_, header))
             torch.cuda.empty_cache()
+    print(_common.save_plots(Path(f"{prefix}-plots"), plot_benchmarks(out), measured(out)))
     for r in out:
         for name, e in r["error"].items():
             print(f"{_label(r)} {name}: {e}")

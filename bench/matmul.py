@@ -25,7 +25,9 @@ our kernels; results persist in the library's tuning cache (``PK_CACHE_DIR``).
                            [--cudagraph [--cold]]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (so an interrupted run keeps what
-it measured) and ``PREFIX.png`` at the end when matplotlib is installed.
+it measured) and, at the end, plots through ``triton.testing.perf_report`` in
+``PREFIX-plots/`` (TFLOP/s against the size of square problems and against M for each
+(N, K); it needs pandas and matplotlib, and says so when they are missing).
 """
 from __future__ import annotations
 
@@ -235,26 +237,46 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(prefix: Path, rows: list[dict]) -> None:
-    try:
-        import matplotlib
+def plot_benchmarks(rows: list[dict]) -> list[triton.testing.Benchmark]:
+    """The plots of a run, as ``triton.testing.Benchmark`` objects: per dtype, TFLOP/s
+    against the size of the square problems, and against M (tokens) for each (N, K) of the
+    LLM shapes (and of any other non-square rows); one line per method that has a time."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["M"] == r["N"] == r["K"]:
+            groups.setdefault((r["dtype"], "square"), []).append(r)
+        if r["M"] != r["N"] or (r["N"], r["K"]) in LLM_NK:
+            groups.setdefault((r["dtype"], r["N"], r["K"]), []).append(r)
+    out = []
+    for key, group in groups.items():
+        methods = [m for m in METHODS if any(m in r["tflops"] for r in group)]
+        if not methods:
+            continue
+        if key[1] == "square":
+            x_name, x_vals, args, name = "size", sorted({r["M"] for r in group}), {}, f"matmul-square-{key[0]}"
+            xlabel = "M = N = K"
+        else:
+            _, n, k = key
+            x_name, x_vals, args = "M", sorted({r["M"] for r in group}), {"N": n, "K": k}
+            name, xlabel = f"matmul-{key[0]}-N{n}-K{k}", f"M (tokens), N = {n}, K = {k}"
+        out.append(triton.testing.Benchmark(
+            x_names=[x_name], x_vals=x_vals, line_arg="provider", line_vals=methods,
+            line_names=methods, plot_name=name, args={"dtype": key[0], **args},
+            xlabel=xlabel, ylabel="TFLOP/s", x_log=True))
+    return out
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    names = [m for m in METHODS if any(m in r["tflops"] for r in rows)]
-    labels = [f"{r['M']}x{r['N']}x{r['K']}\n{r['dtype']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        ax.bar([x + i * width for x in range(len(rows))], [r["tflops"].get(name, 0) for r in rows],
-               width, label=name)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7)
-    ax.set_ylabel("TFLOP/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(prefix.with_suffix(".png"), dpi=120)
+
+def measured(rows: list[dict]):
+    """``perf_report``'s function for :func:`plot_benchmarks`: a row's TFLOP/s."""
+    by_shape = {(r["M"], r["N"], r["K"], r["dtype"]): r for r in rows}
+
+    def tflops(provider: str, dtype: str, size: int | None = None, M: int | None = None,
+               N: int | None = None, K: int | None = None) -> float:
+        shape = (size, size, size) if size is not None else (M, N, K)
+        row = by_shape.get((*shape, dtype))
+        return _common.nan_if_none(None if row is None else row["tflops"].get(provider))
+
+    return tflops
 
 
 def main() -> None:
@@ -292,7 +314,7 @@ def main() -> None:
             print(f"{m:6d} {n:6d} {k:6d} {row['dtype']:>8} " + " ".join(f"{c:>20}" for c in cells), flush=True)
             _common.write(prefix, rows, {**meta, "elapsed_s": time.time() - start},
                           lambda rows_: markdown(rows_, header))
-    plot(prefix, rows)
+    print(_common.save_plots(Path(f"{prefix}-plots"), plot_benchmarks(rows), measured(rows)))
     for r in rows:
         for name, e in r["error"].items():
             print(f"{r['M']}x{r['N']}x{r['K']} {r['dtype']} {name}: {e}")

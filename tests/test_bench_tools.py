@@ -227,3 +227,72 @@ def test_matmul_sweep_candidates_fit():
     assert not sweep.fits("ptr", (64, 128, 64, 8, 8, 3), (64, 512, 512), sms)  # one K block a slice
     assert sweep.fits("ptr", (64, 128, 64, 2, 8, 3), (64, 512, 512), sms)
     assert not sweep.fits("ptr", (128, 128, 64, 1, 8, 3), (16, 4096, 4096), sms)  # overhangs M
+
+
+def _matmul_row(m, n, k, dtype, **tflops):
+    return {"M": m, "N": n, "K": k, "dtype": dtype, "tflops": tflops, "error": {}}
+
+
+def test_matmul_plots_square_sizes_and_m_per_llm_shape():
+    """One plot of the square sizes and one per (N, K), per dtype; 4096^3 is on both; each
+    line's points are the row's TFLOP/s, and NaN (a gap) where a method has no time."""
+    bench = _load("matmul")
+    rows = [_matmul_row(1024, 1024, 1024, "float16", cublas=100.0, generic=90.0),
+            _matmul_row(4096, 4096, 4096, "float16", cublas=700.0, generic=650.0),
+            _matmul_row(16, 4096, 4096, "float16", cublas=20.0, generic=21.0),
+            _matmul_row(128, 4096, 4096, "float16", cublas=150.0),
+            _matmul_row(16, 4096, 4096, "bfloat16", cublas=19.0, generic=18.0)]
+    plots = {b.plot_name: b for b in bench.plot_benchmarks(rows)}
+    assert set(plots) == {"matmul-square-float16", "matmul-float16-N4096-K4096",
+                          "matmul-bfloat16-N4096-K4096"}
+    assert plots["matmul-square-float16"].x_vals == [1024, 4096]
+    assert plots["matmul-float16-N4096-K4096"].x_vals == [16, 128, 4096]
+    assert plots["matmul-float16-N4096-K4096"].line_vals == ["cublas", "generic"]
+    tflops = bench.measured(rows)
+    assert tflops(provider="generic", dtype="float16", size=4096) == 650.0
+    assert tflops(provider="generic", dtype="float16", M=16, N=4096, K=4096) == 21.0
+    assert tflops(provider="generic", dtype="bfloat16", M=16, N=4096, K=4096) == 18.0
+    nan = tflops(provider="generic", dtype="float16", M=128, N=4096, K=4096)
+    assert nan != nan
+
+
+def test_flash_plots_per_pass_dtype_dim_and_mask():
+    bench = _load("flash_attn")
+
+    def row(n, d, causal, fwd, bwd):
+        return {"B": 4, "H": 32, "N": n, "D": d, "causal": causal, "dtype": "float16",
+                "tflops": {"fwd": fwd, "bwd": bwd}, "error": {}}
+
+    rows = [row(1024, 128, False, {"cudnn": 500.0, "hopper": 400.0}, {"cudnn": 300.0}),
+            row(4096, 128, False, {"cudnn": 580.0, "hopper": 490.0}, {"cudnn": 500.0, "hopper": 390.0})]
+    plots = {b.plot_name: b for b in bench.plot_benchmarks(rows)}
+    assert set(plots) == {"flash_attn-fwd-float16-d128-full", "flash_attn-bwd-float16-d128-full"}
+    assert plots["flash_attn-fwd-float16-d128-full"].x_vals == [1024, 4096]
+    assert plots["flash_attn-bwd-float16-d128-full"].line_vals == ["cudnn", "hopper"]
+    tflops = bench.measured(rows)
+    assert tflops(provider="hopper", p="bwd", dtype="float16", D=128, causal=False, N=4096) == 390.0
+    gap = tflops(provider="hopper", p="bwd", dtype="float16", D=128, causal=False, N=1024)
+    assert gap != gap
+
+
+def test_plots_say_what_perf_report_lacks(tmp_path, monkeypatch):
+    common = _load("_common")
+    monkeypatch.setattr(common, "plot_missing", lambda: "pandas")
+    message = common.save_plots(tmp_path / "plots", [object()], lambda **kw: 0.0)
+    assert "needs pandas" in message and not (tmp_path / "plots").exists()
+
+
+@pytest.mark.skipif(bool(_load("_common").plot_missing()),
+                    reason="triton.testing.perf_report needs pandas and matplotlib, not installed here")
+def test_plots_drawn_through_perf_report(tmp_path):
+    """The run's own numbers end up in perf_report's table beside the drawing."""
+    bench = _load("matmul")
+    rows = [_matmul_row(16, 4096, 4096, "float16", cublas=20.0, generic=21.5),
+            _matmul_row(128, 4096, 4096, "float16", cublas=150.0, generic=140.0)]
+    message = bench._common.save_plots(tmp_path, bench.plot_benchmarks(rows), bench.measured(rows))
+    assert "plots: 1" in message
+    assert (tmp_path / "matmul-float16-N4096-K4096.png").stat().st_size > 0
+    csv = (tmp_path / "matmul-float16-N4096-K4096.csv").read_text().splitlines()
+    assert csv[0].split(",")[0] == "M"
+    assert [float(v) for v in csv[1].split(",")] == [16, 20.0, 21.5]
+    assert [float(v) for v in csv[2].split(",")] == [128, 150.0, 140.0]
