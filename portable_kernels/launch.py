@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.testing
 
-from . import tuning_cache
+from . import _direct, tuning_cache
 from ._autotuner import PlanAutotuner
 from .device import DeviceInfo
 from .registry import Variant
@@ -200,28 +200,44 @@ class LaunchPlan:
 
     def run_tuned(self, tuned: Any, problem_key: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
         """Launch ``tuned`` (from :meth:`autotuned`) on ``grid``; once it has chosen a config
-        for ``problem_key``, launch the JIT kernel with that config directly.
+        for ``problem_key``, launch the JIT kernel with that config directly, and on NVIDIA
+        GPUs its compiled binary (``_direct``: Triton's per-call dispatch costs more host
+        time than a decode-sized kernel takes).
 
         Triton's ``Autotuner.run`` rebuilds its key from every argument on each call (about
         7 µs of host time, as much as a decode-sized GEMM takes on the GPU). ``problem_key``
         must determine the autotuner's key: every ``key`` argument and the dtype of every
-        tensor argument. Configs with a ``pre_hook`` always go through the autotuner.
+        tensor argument. Positional arguments are tensors first, then scalars. Configs with
+        a ``pre_hook`` always go through the autotuner.
         """
         chosen = self._chosen.get((tuned, problem_key))
         if chosen is not None:
-            chosen[0][grid](*args, **kwargs, **chosen[1])
+            chosen(grid, args, kwargs)
             return
         tuned[grid](*args, **kwargs)
         config = getattr(tuned, "best_config", None)
         if config is not None and config.pre_hook is None:
-            self._chosen[(tuned, problem_key)] = (tuned.fn, config.all_kwargs())
+            self._chosen[(tuned, problem_key)] = _direct.DirectLaunch(tuned.fn, config.all_kwargs(),
+                                                                      self._direct_launches())
+
+    def direct(self, fn: Any) -> _direct.DirectLaunch:
+        """``fn`` (a ``@triton.jit`` kernel) for launchers that pass its config themselves:
+        ``plan.direct(fn)[grid](*args, **kwargs)`` launches as ``fn[grid](...)`` does, and
+        on NVIDIA GPUs reuses each binary Triton compiled for a call (see ``_direct``)."""
+        launcher = self._tuned.get(("direct", fn))
+        if launcher is None:
+            launcher = self._tuned[("direct", fn)] = _direct.DirectLaunch(fn, {}, self._direct_launches())
+        return launcher
+
+    def _direct_launches(self) -> bool:
+        return _direct.supported(self.device.vendor, "interpreter" in self.device.capabilities)
 
     def chosen(self, tuned: Any, problem_key: Any) -> dict[str, Any] | None:
         """The config keywords :meth:`run_tuned` launches ``problem_key`` with once it is
         tuned (``None`` before, or for configs with a ``pre_hook``), so that a launcher can
         size per-call buffers for the config that runs rather than for every candidate."""
         chosen = self._chosen.get((tuned, problem_key))
-        return None if chosen is None else chosen[1]
+        return None if chosen is None else chosen.config
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """A per-plan memo for launchers (e.g. block sizes derived from the config)."""

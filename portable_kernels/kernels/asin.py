@@ -148,7 +148,7 @@ def launch(plan, x: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return out
     grid, meta = _host.elementwise_launch(plan, n)
-    _asin_kernel[grid](x, out, n, **meta)
+    plan.direct(_asin_kernel)[grid](x, out, n, **meta)
     return out
 
 

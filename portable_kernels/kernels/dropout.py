@@ -96,6 +96,7 @@ def _apply(plan, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     # inf * 0 in the kernel's unselected lanes.
     scale = 1.0 if p == 1.0 else 1.0 / (1.0 - p)
     grid, meta = _host.elementwise_launch(plan, n)
+    # Not plan.direct: the seed is new on every call, and direct launches key on scalars.
     _dropout_kernel[grid](x, out, n, p, scale, int(seed), **meta)
     return out
 

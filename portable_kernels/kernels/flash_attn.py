@@ -884,7 +884,7 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
             )
         return out, lse
     block_m, block_n, opts = _forward_setup(plan, block_d, q.element_size())
-    _flash_attn_fwd_kernel[(_host.cdiv(n_q, block_m), b * h)](
+    plan.direct(_flash_attn_fwd_kernel)[(_host.cdiv(n_q, block_m), b * h)](
         *args, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
         RAW_MAX=scale > 0, **switches, **opts,
@@ -934,25 +934,31 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
         do = do.contiguous()
     pad_d = d != block_d
     delta = torch.empty_like(lse)
-    _flash_attn_bwd_preprocess_kernel[(_host.cdiv(n_q, dq_m), b * h)](
+    plan.direct(_flash_attn_bwd_preprocess_kernel)[(_host.cdiv(n_q, dq_m), b * h)](
         out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
         BLOCK_M=dq_m, BLOCK_D=block_d, PAD_D=pad_d, **dq_opts,
     )
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
         _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                     upcast, tma, dkdv_opts)
-        _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts)
+                     upcast, tma, dkdv_opts, plan)
+        _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts, plan)
     return dq, dk, dv
 
 
+def _launcher(plan, kernel):
+    """``kernel`` through ``plan``'s direct launches, or as it is without a plan."""
+    return kernel if plan is None else plan.direct(kernel)
+
+
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
-                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict) -> None:
+                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict, plan=None) -> None:
     """The dk/dv kernel on ``block_n`` keys per program, streaming ``block_m`` queries
-    (``bench/flash_attn_sweep.py`` times it alone through this)."""
+    (``bench/flash_attn_sweep.py`` times it alone through this, without a ``plan``: then
+    through Triton's JIT launch)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    _flash_attn_bwd_dkdv_kernel[(_host.cdiv(n_k, block_n), b * h_kv)](
+    _launcher(plan, _flash_attn_bwd_dkdv_kernel)[(_host.cdiv(n_k, block_n), b * h_kv)](
         q, k, v, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
@@ -962,12 +968,12 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
 
 
 def _launch_dq(q, k, v, do, lse, delta, dq, causal: bool, scale: float,
-               block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict) -> None:
+               block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict, plan=None) -> None:
     """The dq kernel on ``block_m`` queries per program, streaming ``block_n`` keys."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    _flash_attn_bwd_dq_kernel[(_host.cdiv(n_q, block_m), b * h)](
+    _launcher(plan, _flash_attn_bwd_dq_kernel)[(_host.cdiv(n_q, block_m), b * h)](
         q, k, v, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,

@@ -256,7 +256,7 @@ def _forward(plan, x, weight, bias, eps):
     if y.numel() == 0:
         return y.reshape(x.shape), rows, mean, rstd
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
-    _layer_norm_fwd_kernel[(_host.cdiv(n_rows, block_m),)](
+    plan.direct(_layer_norm_fwd_kernel)[(_host.cdiv(n_rows, block_m),)](
         rows, weight, bias, y, mean, rstd,
         n_rows, n_cols, rows.stride(0), rows.stride(1), y.stride(0), float(eps),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **plan.switches,
@@ -276,7 +276,7 @@ def _backward(plan, dy, rows, weight, mean, rstd):
     dw_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
     db_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
     locks = torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
-    _layer_norm_bwd_dx_kernel[(n_programs,)](
+    plan.direct(_layer_norm_bwd_dx_kernel)[(n_programs,)](
         dx, dy, rows, weight, mean, rstd, dw_part, db_part, locks,
         n_rows, n_cols, n_groups, rows.stride(0), rows.stride(1),
         dy.stride(0), dy.stride(1), dx.stride(0),
@@ -286,7 +286,7 @@ def _backward(plan, dy, rows, weight, mean, rstd):
     db = torch.empty_like(weight)
     block_g = min(_host.next_power_of_2(n_groups), 32)
     block_c = max(1, min(block_n, plan.config.kwargs["TILE"] // block_g))
-    _layer_norm_bwd_dwdb_kernel[(_host.cdiv(n_cols, block_c),)](
+    plan.direct(_layer_norm_bwd_dwdb_kernel)[(_host.cdiv(n_cols, block_c),)](
         dw_part, db_part, dw, db, n_groups, n_cols,
         BLOCK_G=block_g, BLOCK_N=block_c, num_warps=max(1, min(num_warps, block_g * block_c // 256)),
         **plan.switches,

@@ -104,7 +104,7 @@ def launch(plan, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     block = min(_host.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
     # Roughly 8 fp32 values per thread: fewer warps for short rows, the config's cap for long.
     num_warps = max(1, min(cfg.num_warps, block // 256))
-    _softmax_kernel[(rows.shape[0],)](
+    plan.direct(_softmax_kernel)[(rows.shape[0],)](
         out, rows, n_cols, rows.stride(0), rows.stride(1), out.stride(0),
         BLOCK_N=block, ONE_PASS=n_cols <= block, num_warps=num_warps, **plan.switches,
     )

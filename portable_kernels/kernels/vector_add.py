@@ -65,7 +65,7 @@ def launch(plan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return out
     grid, meta = _host.elementwise_launch(plan, n)
-    _vector_add_kernel[grid](x, y, out, n, **meta)
+    plan.direct(_vector_add_kernel)[grid](x, y, out, n, **meta)
     return out
 
 

@@ -1,0 +1,151 @@
+"""Launching a tuned kernel's compiled binary without Triton's per-call JIT dispatch.
+
+Once a plan has tuned a problem, every call launches the same kernel with the same config.
+Triton's ``JITFunction.run`` still works out on each call what its arguments specialize to
+(types, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), looks the
+binary up, reads its knobs and builds launch metadata for hooks. On the H200 host that cost
+14 µs per call (``kernel[grid](...)`` 24.3 µs against 10.2 µs for the binary's own
+launcher, 16x4096x4096 bf16, 2026-11-30), more than the kernel itself (10 µs).
+
+:class:`DirectLaunch` keeps, per tuned problem, the binaries the JIT path returned, keyed by
+everything that could select another binary: the current device, each tensor argument's
+dtype and 16-byte alignment, every other argument's value and every keyword's. That is
+stricter than Triton's own key (which keeps only classes of integers), so a call it has not
+seen goes through the JIT path once more and adds an entry; a seen one launches the binary.
+
+Direct launches are used only where the launch protocol was checked: NVIDIA's driver under
+the Triton versions in :data:`VERIFIED` (other versions and drivers keep the JIT path), and
+never while launch hooks are set (profilers such as proton read the launch metadata they
+get through them). ``PK_DIRECT_LAUNCH=0`` turns them off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+
+__all__ = ["DirectLaunch", "supported"]
+
+#: Triton versions whose JIT launch this module reproduces (checked on the H200).
+VERIFIED = ("3.6.",)
+#: Binaries kept per tuned problem; past it, calls with new argument values take the JIT path.
+MAX_ENTRIES = 64
+
+
+def supported(vendor: str, interpreted: bool) -> bool:
+    """Whether launches on a device of ``vendor`` (``DeviceInfo.vendor``) may skip the JIT
+    dispatch here."""
+    if interpreted or vendor != "nvidia" or torch.version.cuda is None:
+        return False
+    if os.environ.get("PK_DIRECT_LAUNCH", "1") == "0":
+        return False
+    return triton.__version__.startswith(VERIFIED) and hasattr(torch._C, "_cuda_getCurrentRawStream")
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps chains of them, empty by default)."""
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class _Entry:
+    __slots__ = ("kernel", "tail", "meta")
+
+    def __init__(self, kernel: Any, tail: tuple, meta: dict) -> None:
+        self.kernel = kernel  # triton's CompiledKernel
+        self.tail = tail      # the values of the parameters after the positional arguments
+        self.meta = meta      # the constexprs and config, for the grid function
+
+
+class DirectLaunch:
+    """The launches of ``fn`` (a ``@triton.jit`` function) with the ``config`` keywords
+    (a tuned problem's ``triton.Config.all_kwargs()``, or none where the launcher passes
+    its own).
+
+    Calls are ``launch(grid, args, kwargs)`` or ``launch[grid](*args, **kwargs)``:
+    positional tensors first, then scalars, as the family launchers pass them. Scalars are
+    part of the key by value, so a scalar that changes on every call (a random seed) gains
+    nothing here. ``launches`` counts the direct ones (for tests)."""
+
+    __slots__ = ("fn", "config", "direct", "n_tensors", "entries", "launches")
+
+    def __init__(self, fn: Any, config: dict, direct: bool) -> None:
+        self.fn = fn
+        self.config = config
+        self.direct = direct
+        self.n_tensors = -1  # leading tensor arguments, known at the first call
+        self.entries: dict[tuple, _Entry] = {}
+        self.launches = 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        """``launch[grid](*args, **kwargs)``, as a JIT function is launched."""
+        return lambda *args, **kwargs: self(grid, args, kwargs)
+
+    def __call__(self, grid: Any, args: tuple, kwargs: dict) -> None:
+        key = self._key(args, kwargs) if self.direct else None
+        entry = None if key is None else self.entries.get(key)
+        if entry is None or _hooked():
+            kernel = self.fn[grid](*args, **kwargs, **self.config)
+            if key is not None and len(self.entries) < MAX_ENTRIES:
+                entry = self._entry(kernel, grid, args, kwargs)
+                if entry is not None:
+                    self.entries[key] = entry
+            return
+        g = grid(entry.meta) if callable(grid) else grid
+        kernel = entry.kernel
+        device = key[0]
+        kernel.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
+                   torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
+                   None, None, None, *args, *entry.tail)
+        self.launches += 1
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple | None:
+        n = self.n_tensors
+        if n < 0:
+            n = self.n_tensors = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)),
+                                      len(args))
+        try:
+            return (torch._C._cuda_getDevice(),
+                    tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in args[:n]]),
+                    args[n:], tuple(kwargs.items()))
+        except (AttributeError, TypeError):  # not the first call's layout, or unhashable
+            return None
+
+    def _entry(self, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> _Entry | None:
+        """What a later call with the same key needs to launch ``kernel`` itself, or None
+        when it must keep the JIT path."""
+        if kernel is None:
+            return None
+        if hasattr(kernel, "result"):  # asynchronous compilation
+            kernel = kernel.result()
+        n = self.n_tensors
+        if any(isinstance(a, torch.Tensor) for a in (*args[n:], *kwargs.values())):
+            return None  # a tensor passed where scalars go: its alignment is not in the key
+        params = self.fn.params
+        named = {**kwargs, **self.config}
+        tail = []
+        for p in params[len(args):]:
+            if p.name in named:
+                tail.append(named[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return None
+        meta = {p.name: v for p, v in zip(params[len(args):], tail) if p.is_constexpr}
+        meta.update(self.config)
+        if callable(grid):
+            # The grid must follow from the constexprs alone (the launchers close over the
+            # sizes they need): a grid that reads a runtime argument keeps the JIT path.
+            full = {**{p.name: a for p, a in zip(params, args)}, **meta}
+            try:
+                if tuple(grid(meta)) != tuple(grid(full)):
+                    return None
+            except KeyError:
+                return None
+        return _Entry(kernel, tuple(tail), meta)
+

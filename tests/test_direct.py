@@ -1,0 +1,242 @@
+"""Direct launches of tuned kernels (``portable_kernels._direct``): which calls may reuse a
+compiled binary and which must go through Triton's JIT path again, on stand-ins for the
+JIT function and its binary; on an NVIDIA GPU, the real launches against a reference."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+
+import portable_kernels as pk
+from portable_kernels import _direct, dispatch
+from portable_kernels.kernels import matmul as matmul_module
+from portable_kernels.testing import assert_close, tolerance
+from test_layer_norm import _column_sum_tolerance
+from test_matmul import _rand
+
+
+class _Binary:
+    """A stand-in CompiledKernel: records what its launcher receives."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Jit:
+    """A stand-in JITFunction of ``kernel(x, y, n, scale, BLOCK: constexpr, FLAG: constexpr
+    = True)``: ``fn[grid](...)`` records the call and returns its binary."""
+
+    def __init__(self):
+        def param(name, constexpr=False, default=None):
+            return types.SimpleNamespace(name=name, is_constexpr=constexpr,
+                                         has_default=default is not None, default=default)
+
+        self.params = [param("x"), param("y"), param("n"), param("scale"),
+                       param("BLOCK", True), param("FLAG", True, True)]
+        self.calls, self.binary = [], _Binary()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.binary
+        return launch
+
+
+@pytest.fixture
+def cuda_stand_ins(monkeypatch):
+    """The two CUDA calls a direct launch makes: the current device and its stream."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+
+
+def _grid(meta):
+    return (triton.cdiv(256, meta["BLOCK"]),)
+
+
+def _tensors(offset=0):
+    storage = torch.zeros(64, dtype=torch.float16)
+    return storage[offset:offset + 8], torch.zeros(8, dtype=torch.float16)
+
+
+def test_seen_calls_launch_the_binary(cuda_stand_ins):
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64, "num_warps": 4}, direct=True)
+    x, y = _tensors()
+    launch(_grid, (x, y, 8, 0.5), {})
+    assert len(fn.calls) == 1 and not fn.binary.runs  # the first call compiles through Triton
+    launch(_grid, (x, y, 8, 0.5), {})
+    assert len(fn.calls) == 1 and launch.launches == 1
+    # grid from the config, stream of the current device, no hooks, then every parameter:
+    # the call's arguments and the constexprs (the default FLAG too).
+    assert fn.binary.runs == [(4, 1, 1, 1000, "function", "packed", None, None, None, x, y, 8, 0.5, 64, True)]
+
+
+@pytest.mark.parametrize("change", ["alignment", "scalar", "keyword", "dtype"])
+def test_calls_that_may_select_another_binary_take_the_jit_path(cuda_stand_ins, change):
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
+    x, y = _tensors()
+    args, kwargs = (x, y, 16, 0.5), {"FLAG": True}
+    launch(_grid, args, kwargs)
+    if change == "alignment":
+        args = (_tensors(offset=1)[0], y, 16, 0.5)  # 2 bytes off a 16-byte boundary
+        assert args[0].data_ptr() % 16 and x.data_ptr() % 16 == 0
+    elif change == "scalar":
+        args = (x, y, 17, 0.5)  # Triton specializes integers divisible by 16
+    elif change == "keyword":
+        kwargs = {"FLAG": False}
+    else:
+        args = (x.float(), y, 16, 0.5)
+    launch(_grid, args, kwargs)
+    assert len(fn.calls) == 2 and launch.launches == 0
+    launch(_grid, args, kwargs)  # now seen
+    assert len(fn.calls) == 2 and launch.launches == 1
+
+
+def test_launch_hooks_keep_the_jit_path(cuda_stand_ins):
+    """Profilers read the launch metadata Triton builds for its hooks."""
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
+    x, y = _tensors()
+    launch(_grid, (x, y, 8, 0.5), {})
+
+    def hook(metadata):
+        pass
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(_grid, (x, y, 8, 0.5), {})
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(fn.calls) == 2 and launch.launches == 0
+
+
+def test_grids_that_read_runtime_arguments_keep_the_jit_path(cuda_stand_ins):
+    """A grid computed from a runtime argument cannot be recomputed from the constexprs."""
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
+    x, y = _tensors()
+    for _ in range(3):
+        launch(lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),), (x, y, 8, 0.5), {})
+    assert len(fn.calls) == 3 and launch.launches == 0
+
+
+def test_tensors_among_the_scalars_keep_the_jit_path(cuda_stand_ins):
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
+    x, y = _tensors()
+    for _ in range(3):
+        launch(_grid, (x, 3, y, 0.5), {})
+    assert len(fn.calls) == 3 and launch.launches == 0
+
+
+def test_without_direct_launches_every_call_is_a_jit_call():
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=False)
+    x, y = _tensors()
+    for _ in range(3):
+        launch(_grid, (x, y, 8, 0.5), {})
+    assert len(fn.calls) == 3 and launch.launches == 0 and not launch.entries
+
+
+def test_where_direct_launches_are_used(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert _direct.supported("nvidia", interpreted=False) == hasattr(torch._C, "_cuda_getCurrentRawStream")
+    assert not _direct.supported("nvidia", interpreted=True)
+    assert not _direct.supported("amd", interpreted=False)
+    monkeypatch.setattr(triton, "__version__", "3.7.0")  # not checked: the JIT path
+    assert not _direct.supported("nvidia", interpreted=False)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setenv("PK_DIRECT_LAUNCH", "0")
+    assert not _direct.supported("nvidia", interpreted=False)
+
+
+def _direct_launches(plan) -> int:
+    launchers = [*plan._chosen.values(), *plan._tuned.values()]
+    return sum(x.launches for x in launchers if isinstance(x, _direct.DirectLaunch))
+
+
+def _needs_nvidia(device):
+    if device.type != "cuda" or torch.version.cuda is None:
+        pytest.skip("direct launches are used on NVIDIA GPUs only (not on the interpreter)")
+
+
+def test_tuned_matmuls_launch_their_binaries(device, gen, nan_empty):
+    """On an NVIDIA GPU the calls after tuning launch the binary, and an operand 2 bytes off
+    a 16-byte boundary gets a binary of its own, computing the same product."""
+    _needs_nvidia(device)
+    a = _rand(gen, 16, 512, dtype=torch.float16, device=device)
+    b = _rand(gen, 512, 256, dtype=torch.float16, device=device)
+    with pk.use_variant(matmul="generic"):  # pointer loads: any alignment of the operands
+        plan = dispatch._launch_plan(pk.explain("matmul", a, b))
+    ref = matmul_module.reference(a, b)
+    tol = tolerance(torch.float16, "dot")
+    # Tuning, then the JIT path once more (which keeps the binary), then the binary.
+    for _ in range(3):
+        assert_close(matmul_module.launch(plan, a, b), ref, tol, "aligned")
+    assert _direct_launches(plan) == 1
+    storage = torch.empty(a.numel() + 8, dtype=a.dtype, device=device)
+    shifted = storage[1:1 + a.numel()].view_as(a).copy_(a)
+    assert shifted.data_ptr() % 16 == 2
+    for _ in range(2):
+        assert_close(matmul_module.launch(plan, shifted, b), ref, tol, "2 bytes off")
+    assert _direct_launches(plan) == 2
+
+
+def _family_call(name, gen, device):
+    """``call()`` of one family on fixed inputs, returning the output and, for the
+    differentiable families, the input gradients too; and which of those may differ from
+    call to call (summed in an order the GPU schedules) within a tolerance."""
+    x = _rand(gen, 48, 1000, dtype=torch.float16, device=device)
+    handle = pk.get_kernel(name)
+    if name == "vector_add":
+        y = _rand(gen, 48, 1000, dtype=torch.float16, device=device)
+        return lambda: [handle(x, y)], {}
+    if name == "asin":
+        u = torch.rand(4099, generator=gen).to(device, torch.float16) * 2 - 1
+        return lambda: [handle(u)], {}
+    if name == "softmax":
+        return lambda: [handle(x)], {}
+    if name == "layer_norm":
+        w, b = (_rand(gen, 1000, dtype=torch.float16, device=device) for _ in range(2))
+        leaves, dy, kwargs = (x, w, b), _rand(gen, *x.shape, dtype=x.dtype, device=device), {}
+        # dweight and dbias: fp32 sums over row groups, added under locks in arrival order.
+        tol = _column_sum_tolerance(tolerance(torch.float16, "reduction"), x, dy)
+        unordered = {2: tol, 3: tol}
+    else:
+        leaves = tuple(_rand(gen, 1, 4, 320, 64, dtype=torch.float16, device=device) for _ in range(3))
+        dy, kwargs, unordered = _rand(gen, *leaves[0].shape, dtype=torch.float16, device=device), {"causal": True}, {}
+
+    def call():
+        mine = [t.detach().requires_grad_() for t in leaves]
+        out = handle(*mine, **kwargs)
+        return [out.detach(), *torch.autograd.grad(out, mine, dy)]
+
+    return call, unordered
+
+
+@pytest.mark.parametrize("name", ["vector_add", "asin", "softmax", "layer_norm", "flash_attn"])
+def test_repeated_calls_launch_binaries_with_the_same_results(name, device, gen, nan_empty):
+    """Every family's launches (forward and backward) go direct once seen, and compute
+    what the first call (through Triton's JIT launch; checked against references in each
+    family's tests) did, every element written (outputs are NaN-poisoned)."""
+    _needs_nvidia(device)
+    call, unordered = _family_call(name, gen, device)
+    first = call()
+    for i in range(2):
+        for j, (got, want) in enumerate(zip(call(), first)):
+            assert not torch.isnan(got).any(), f"{name} call {i + 2} output {j}: unwritten elements"
+            if j in unordered:
+                assert_close(got, want.double(), unordered[j], f"{name} call {i + 2} output {j}")
+            else:
+                assert torch.equal(got, want), f"{name} call {i + 2} output {j} differs from the first"
+    plans = set(pk.get_kernel(name)._cache.values())
+    assert sum(_direct_launches(p) for p in plans) > 0
