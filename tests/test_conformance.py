@@ -37,6 +37,15 @@ FAKE_PLUGIN = textwrap.dedent('''
         return torch.empty_like(x)
 
 
+    _calls = {}
+
+
+    def wrong_later(plan, x, y):  # right on an input's first call only
+        key = (tuple(x.shape), x.double().sum().item())  # addresses are reused across cases
+        seen = _calls[key] = _calls.get(key, 0) + 1
+        return x + y if seen == 1 else wrong(plan, x, y)
+
+
     @hookimpl
     def pk_register_variants(registry):
         from portable_kernels.kernels import _host, vector_add  # inside the hook, as plugins must
@@ -48,6 +57,8 @@ FAKE_PLUGIN = textwrap.dedent('''
         add(Variant("vector_add", "fake.known_bad", wrong, priority=-100))
         add(Variant("vector_add", "fake.fixed", vector_add.launch, configs=_host.elementwise_configs,
                     priority=-100))
+        # Outside the "fake.*" runs: it passes with one call per case.
+        add(Variant("vector_add", "fake_later.wrong", wrong_later, priority=-100))
 
 
     @hookimpl
@@ -98,6 +109,25 @@ def fake_run(fake_env, tmp_path_factory):
 
 
 # --- whole runs ---------------------------------------------------------------------------------
+
+
+def test_repeated_calls_are_checked(fake_env, tmp_path):
+    """With --repeat-calls every case is called and checked again (automatic on NVIDIA GPUs,
+    where later calls launch compiled kernels directly): a variant wrong only on later
+    calls fails, naming the call; with one call per case it passes."""
+    outcomes = {}
+    for repeat in ("0", "2"):
+        proc = run_cli(fake_env, "conformance", "--device", "cpu", "--kernels", "vector_add", "--quick",
+                       "--variants", "fake_later.*", "--repeat-calls", repeat,
+                       "--json", str(tmp_path / f"r{repeat}.json"))
+        rep = report.load(tmp_path / f"r{repeat}.json")
+        assert rep["options"]["repeat_calls"] == int(repeat)
+        outcomes[repeat] = {c["outcome"] for c in rep["cases"]}
+        if repeat == "2":
+            assert proc.returncode != 0
+            assert all(c["reason"].startswith("call 2: out: max abs error") for c in rep["cases"])
+    assert outcomes == {"0": {"pass"}, "2": {"fail"}}
+
 
 def test_outcomes_of_every_kind(fake_run):
     _, rep, _ = fake_run

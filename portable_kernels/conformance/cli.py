@@ -41,6 +41,9 @@ def configure_conformance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=None, metavar="V1,V2",
                    help="only these variants (fnmatch globs, e.g. 'generic,iluvatar.*')")
     p.add_argument("--quick", action="store_true", help="a quick subset of shapes and dtypes")
+    p.add_argument("--repeat-calls", default=None, type=int, metavar="N",
+                   help="call and check every case N more times (default: 2 where later calls "
+                   "launch compiled kernels directly, NVIDIA GPUs; else 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the Markdown report here")
     p.add_argument("-n", "--workers", default=None, metavar="WORKERS",
@@ -77,6 +80,8 @@ def pytest_command(args: argparse.Namespace, json_path: str) -> list[str]:
             cmd += [flag, value]
     if args.quick:
         cmd.append("--pk-quick")
+    if args.repeat_calls is not None:
+        cmd += ["--pk-repeat-calls", str(args.repeat_calls)]
     workers = _workers(args.workers, args.device)
     if workers:
         if importlib.util.find_spec("xdist") is None:

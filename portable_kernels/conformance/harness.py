@@ -15,7 +15,11 @@ dtype x check (``forward``, and ``backward`` where the kernel has one), and
 4. run the variant, forced with ``use_variant``, with poisoned allocations (uninitialized
    memory is NaN, so an output element a kernel forgets to write fails the case), timed;
 5. compare with the kernel's float64 reference within the tolerance for the dtype, record
-   the max error, and fail with the error against the tolerance when it is exceeded.
+   the max error, and fail with the error against the tolerance when it is exceeded;
+6. where later calls of a seen problem launch its compiled kernel directly (NVIDIA GPUs,
+   ``portable_kernels/_direct.py``), call and compare twice more: the first call of a
+   tuned problem tunes, the second keeps the binary, the third launches it directly
+   (``--pk-repeat-calls N`` sets the number of calls after the first anywhere).
 
 Results go into a plain dict per case (``Case.record``) that travels with pytest's reports
 (also from pytest-xdist workers) to the plugin, which writes the report.
@@ -37,7 +41,7 @@ import pytest
 import torch
 
 import portable_kernels as pk
-from portable_kernels import __version__, dispatch, plugins, testing
+from portable_kernels import __version__, _direct, dispatch, plugins, testing
 from portable_kernels.errors import PluginError, VariantUnavailableError
 
 __all__ = [
@@ -469,15 +473,20 @@ class Session:
     here: ``error`` says why, and every case fails with it.
     """
 
-    def __init__(self, device_option: str | None) -> None:
+    def __init__(self, device_option: str | None, repeat_calls: int | None = None) -> None:
         self.torch_device: torch.device | None = None
         self.info: pk.DeviceInfo | None = None
         self.expected: list[testing.ExpectedFailure] = []
         self.error = ""
+        # Checked calls after the first (step 6 of the module docstring); None: automatic.
+        self.repeat_calls = repeat_calls or 0
         try:
             self.torch_device = resolve_device(device_option)
             self.info = pk.device_info(self.torch_device)
             self.expected = expected_failures(self.info)
+            if repeat_calls is None and _direct.supported(
+                    self.info.vendor, "interpreter" in self.info.capabilities):
+                self.repeat_calls = 2
         except (pk.PortableKernelsError, RuntimeError, ValueError) as exc:
             self.error = f"device {device_option or 'default'} cannot run the suite: {_one_line(exc)}"
 
@@ -596,18 +605,22 @@ class CaseRun:
         return names, outs, refs, seconds, grad_outs
 
     def _compare(self, names: list, outs: list, refs: list, table: testing.Tolerance, kind: str,
-                 inputs: Inputs, grad_outs: list | None) -> None:
-        rec, case, adjust = self.record, self.case, self.case.suite.tolerance_for
+                 inputs: Inputs, grad_outs: list | None, call: int = 1) -> None:
+        """Fail on the first output outside its tolerance; record the worst error of the
+        first ``call`` (later calls only fail, their messages naming the call)."""
+        case, adjust = self.case, self.case.suite.tolerance_for
+        rec = self.record if call == 1 else {}
+        where = "" if call == 1 else f"call {call}: "
         worst = (0.0, 0.0, "", table)
         for name, out, ref in zip(names, outs, refs):
             if not isinstance(out, torch.Tensor):
-                self._fail(f"{name} is a {type(out).__name__}, not a tensor")
+                self._fail(f"{where}{name} is a {type(out).__name__}, not a tensor")
             if tuple(out.shape) != tuple(ref.shape):
-                self._fail(f"{name} has shape {tuple(out.shape)}, the reference {tuple(ref.shape)}")
+                self._fail(f"{where}{name} has shape {tuple(out.shape)}, the reference {tuple(ref.shape)}")
             if out.dtype != case.dtype:
-                self._fail(f"{name} has dtype {dtype_name(out.dtype)}, expected {dtype_name(case.dtype)}")
+                self._fail(f"{where}{name} has dtype {dtype_name(out.dtype)}, expected {dtype_name(case.dtype)}")
             if out.device != self.session.torch_device:
-                self._fail(f"{name} is on {out.device}, the inputs on {self.session.torch_device}")
+                self._fail(f"{where}{name} is on {out.device}, the inputs on {self.session.torch_device}")
             tol = table if adjust is None else adjust(table, name, ref, inputs, grad_outs)
             err, ratio = testing.max_error(out, ref, tol)
             if ratio > worst[1] or not ratio <= 1.0:
@@ -625,9 +638,10 @@ class CaseRun:
             ref = dict(zip(names, refs))[name].detach().to(torch.float64)
             bad = int((~torch.isfinite(out) & torch.isfinite(ref)).sum())
             if bad:
-                self._fail(f"{name}: {bad} of {out.numel()} element(s) NaN or inf where the reference "
-                           "is finite (an output element never written, or a read outside the input)")
-            self._fail(f"{name}: max abs error {err:.3g} exceeds the {kind} tolerance for "
+                self._fail(f"{where}{name}: {bad} of {out.numel()} element(s) NaN or inf where the "
+                           "reference is finite (an output element never written, or a read outside "
+                           "the input)")
+            self._fail(f"{where}{name}: max abs error {err:.3g} exceeds the {kind} tolerance for "
                        f"{dtype_name(case.dtype)} ({tol}): {ratio:.3g}x the allowed error")
 
     # The test body -------------------------------------------------------------------------
@@ -654,20 +668,22 @@ class CaseRun:
         kind = suite.tolerance if case.check == FORWARD else (suite.grad_tolerance or suite.tolerance)
         table = testing.tolerance(case.dtype, kind)
         rec["tolerance"] = {"kind": kind, "atol": table.atol, "rtol": table.rtol}
-        try:
-            if case.check == FORWARD:
-                names, outs, refs, seconds, grad_outs = self._forward(inputs)
-            else:
-                names, outs, refs, seconds, grad_outs = self._backward(inputs, gen)
-        except VariantUnavailableError as exc:  # raised at launch, e.g. while emulating
-            self._skip(str(exc))
-        except (pytest.fail.Exception, pytest.skip.Exception):
-            raise
-        except Exception as exc:
-            rec["reason"] = _one_line(exc)
-            raise
-        rec["seconds"] = round(seconds, 6)
-        self._compare(names, outs, refs, table, kind, inputs, grad_outs)
+        for call in range(1, 2 + session.repeat_calls):
+            try:
+                if case.check == FORWARD:
+                    names, outs, refs, seconds, grad_outs = self._forward(inputs)
+                else:
+                    names, outs, refs, seconds, grad_outs = self._backward(inputs, gen)
+            except VariantUnavailableError as exc:  # raised at launch, e.g. while emulating
+                self._skip(str(exc))
+            except (pytest.fail.Exception, pytest.skip.Exception):
+                raise
+            except Exception as exc:
+                rec["reason"] = (f"call {call}: " if call > 1 else "") + _one_line(exc)
+                raise
+            if call == 1:
+                rec["seconds"] = round(seconds, 6)
+            self._compare(names, outs, refs, table, kind, inputs, grad_outs, call)
 
 
 def _finite(x: float) -> float | None:

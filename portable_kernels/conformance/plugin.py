@@ -55,6 +55,7 @@ def options(config: pytest.Config) -> dict:
         "kernels": _csv(config.getoption("pk_kernels")),
         "variants": _csv(config.getoption("pk_variants")),
         "quick": bool(config.getoption("pk_quick")),
+        "repeat_calls": config.getoption("pk_repeat_calls"),
         "workers": workers if isinstance(workers, int) else 0,
     }
 
@@ -78,6 +79,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pk-json", metavar="PATH", default=None,
                     help="write the JSON report here (format: docs/conformance-report.md)")
     group.addoption("--pk-markdown", metavar="PATH", default=None, help="write the Markdown report here")
+    group.addoption("--pk-repeat-calls", metavar="N", type=int, default=None,
+                    help="call and check every case N more times (default: 2 where later calls "
+                    "launch compiled kernels directly, NVIDIA GPUs; else 0)")
     group.addoption("--pk-progress", action="store_true", default=False,
                     help="draw a one-line progress bar on stderr")
 
@@ -163,7 +167,8 @@ def pk_session(request: pytest.FixtureRequest) -> Any:
     """The device under test (this worker's GPU under xdist) and its expected failures."""
     from . import harness
 
-    session = harness.Session(request.config.getoption("pk_device"))
+    session = harness.Session(request.config.getoption("pk_device"),
+                              request.config.getoption("pk_repeat_calls"))
     request.config.stash[_SESSION_KEY] = session
     return session
 
