@@ -1,7 +1,10 @@
-"""The launchers' integer helpers agree with Triton's own (which cost microseconds per call
-from host code, so the launch paths do not use them)."""
+"""The launchers' host helpers: the integer helpers agree with Triton's own (which cost
+microseconds per call from host code, so the launch paths do not use them); the scratch
+allocator lends memory for a launch only."""
 from __future__ import annotations
 
+import pytest
+import torch
 import triton
 
 from portable_kernels.kernels import _host
@@ -12,3 +15,27 @@ def test_cdiv_and_next_power_of_2_match_triton():
         assert _host.next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 64, 100, 128):
             assert _host.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_scratch_allocator_lends_torch_memory_for_the_launch_only(device):
+    """Inside the block Triton's allocator hands out torch memory on the device; after it
+    (also after an error) the caller's own allocator is back."""
+    from triton.runtime import _allocation
+
+    def callers(size, alignment, stream):
+        raise AssertionError("the caller's allocator must not serve a launcher's scratch")
+
+    token = _allocation._allocator.set(callers)
+    try:
+        with _host.scratch_allocator(device):
+            scratch = _allocation._allocator.get()(384, 128, None)
+            assert scratch.numel() == 384 and scratch.dtype == torch.int8 and scratch.device == device
+            with _host.scratch_allocator(device):  # nested: each restores what it found
+                pass
+            assert _allocation._allocator.get()(16, 16, None).numel() == 16
+        assert _allocation._allocator.get() is callers
+        with pytest.raises(RuntimeError), _host.scratch_allocator(device):
+            raise RuntimeError("a launch failed")
+        assert _allocation._allocator.get() is callers
+    finally:
+        _allocation._allocator.reset(token)

@@ -276,6 +276,10 @@ def tma_accepts(problem: Problem, device) -> str | None:
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> None:
+    # Every call runs this: the usual case in one expression, the messages only on failure.
+    if (a.dtype is b.dtype and a.dtype in _host.FLOAT_DTYPES and a.dim() == 2 and b.dim() == 2
+            and a.shape[1] == b.shape[0]):
+        return
     _host.check_dtype(NAME, "a", a)
     _host.check_dtype(NAME, "b", b)
     _host.check_same_dtype(NAME, a=a, b=b)
