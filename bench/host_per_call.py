@@ -6,7 +6,8 @@ and torch's own operator on the same inputs.
 Each setting runs in a child process of its own (plans decide on direct launches when they
 are built), the two alternating over ``--rounds``; a child times ``--iters`` calls after a
 warm-up (which also tunes and compiles), then synchronizes once, so a call costs the larger
-of its host and device time, and reports the median of five such runs. Inputs are fresh
+of its host and device time, and reports the median of five such runs
+(``matmul_launch_overhead.per_call_us``). Inputs are fresh
 ``torch.randn`` draws. The table gives the median over rounds.
 
     python bench/host_per_call.py [--rounds 3] [--iters 2000] [--out PREFIX]
@@ -23,12 +24,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import _common  # bench/, beside this script
+from matmul_launch_overhead import per_call_us  # the same timing loop
 
 F = torch.nn.functional
 SETTINGS = {"direct": "1", "jit": "0"}
@@ -75,24 +76,10 @@ def cases() -> dict:
     return out
 
 
-def per_call(fn, iters: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(runs)
-
-
 def child(iters: int) -> None:
     result = {}
     for name, (ours, theirs) in cases().items():
-        result[name] = {"ours": per_call(ours, iters), "torch": per_call(theirs, iters)}
+        result[name] = {"ours": per_call_us(ours, iters), "torch": per_call_us(theirs, iters)}
     print(json.dumps(result))
 
 
