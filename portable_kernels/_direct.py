@@ -30,7 +30,7 @@ __all__ = ["DirectLaunch", "supported"]
 
 #: Triton versions whose JIT launch this module reproduces (checked on the H200).
 VERIFIED = ("3.6.",)
-#: Binaries kept per tuned problem; past it, calls with new argument values take the JIT path.
+#: Binaries kept per launcher; past it, calls with new argument values take the JIT path.
 MAX_ENTRIES = 64
 
 
@@ -70,7 +70,10 @@ class DirectLaunch:
     Calls are ``launch(grid, args, kwargs)`` or ``launch[grid](*args, **kwargs)``:
     positional tensors first, then scalars, as the family launchers pass them. Scalars are
     part of the key by value, so a scalar that changes on every call (a random seed) gains
-    nothing here. ``launches`` counts the direct ones (for tests)."""
+    nothing here. Values compare across types (``1 == 1.0 == True``, which Triton types
+    apart), so a call site must pass each scalar with one type, as the family launchers do
+    (``float(eps)``, sizes and strides as ints). ``launches`` counts the direct ones (for
+    tests)."""
 
     __slots__ = ("fn", "config", "direct", "n_tensors", "entries", "launches")
 
@@ -91,7 +94,7 @@ class DirectLaunch:
         entry = None if key is None else self.entries.get(key)
         if entry is None or _hooked():
             kernel = self.fn[grid](*args, **kwargs, **self.config)
-            if key is not None and len(self.entries) < MAX_ENTRIES:
+            if key is not None and entry is None and len(self.entries) < MAX_ENTRIES:
                 entry = self._entry(kernel, grid, args, kwargs)
                 if entry is not None:
                     self.entries[key] = entry
