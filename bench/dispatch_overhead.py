@@ -4,6 +4,9 @@ Three ways to compute ``vector_add`` on the same small tensors (so launch cost d
 
 - ``raw``: ``_vector_add_kernel[grid](...)`` with a preallocated output (Triton alone),
   and the same with the output allocated per call, as any wrapper returning a new tensor must;
+- ``raw, direct launch``: the same launch through ``plan.direct`` (the compiled kernel
+  launched without Triton's per-call dispatch, ``portable_kernels/_direct.py``; the JIT
+  path where direct launches are off, as on the interpreter);
 - ``launcher``: the family's host launcher called with a resolved plan (checks, allocation,
   launch: what every variant pays);
 - ``handle``: ``pk.get_kernel("vector_add")(x, y)`` (the launcher plus selection).
@@ -91,6 +94,11 @@ def main() -> None:
     def raw():
         vector_add._vector_add_kernel[grid](x, y, out, x.numel(), BLOCK_SIZE=block, num_warps=cfg.num_warps)
 
+    direct = plan.direct(vector_add._vector_add_kernel)
+
+    def raw_direct():
+        direct[grid](x, y, out, x.numel(), BLOCK_SIZE=block, num_warps=cfg.num_warps)
+
     def raw_alloc():
         o = torch.empty_like(x)
         vector_add._vector_add_kernel[grid](x, y, o, x.numel(), BLOCK_SIZE=block, num_warps=cfg.num_warps)
@@ -98,6 +106,7 @@ def main() -> None:
 
     rows = {
         "raw": _per_call_ns(raw, args.iters, args.rounds, sync),
+        "raw, direct launch": _per_call_ns(raw_direct, args.iters, args.rounds, sync),
         "raw + output allocation": _per_call_ns(raw_alloc, args.iters, args.rounds, sync),
         "launcher": _per_call_ns(lambda: vector_add.launch(plan, x, y), args.iters, args.rounds, sync),
         "handle": _per_call_ns(lambda: handle(x, y), args.iters, args.rounds, sync),
@@ -116,6 +125,8 @@ def main() -> None:
     added = (rows["handle"] - rows["launcher"]) / 1000
     print(f"{'dispatch added (handle - launcher)':34s} {added:9.2f}")
     print(f"{'handle over raw launch + alloc':34s} {(rows['handle'] - rows['raw + output allocation']) / 1000:9.2f}")
+    print(f"{'direct launch saves (raw - direct)':34s} {(rows['raw'] - rows['raw, direct launch']) / 1000:9.2f}"
+          f"  ({direct.launches} direct launches)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
