@@ -123,6 +123,8 @@ def test_repeated_calls_are_checked(fake_env, tmp_path):
         rep = report.load(tmp_path / f"r{repeat}.json")
         assert rep["options"]["repeat_calls"] == int(repeat)
         outcomes[repeat] = {c["outcome"] for c in rep["cases"]}
+        # Called once, then (with repeats) failing on the second call.
+        assert {c["calls"] for c in rep["cases"]} == {1 if repeat == "0" else 2}
         if repeat == "2":
             assert proc.returncode != 0
             assert all(c["reason"].startswith("call 2: out: max abs error") for c in rep["cases"])

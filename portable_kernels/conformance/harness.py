@@ -681,6 +681,7 @@ class CaseRun:
             except Exception as exc:
                 rec["reason"] = (f"call {call}: " if call > 1 else "") + _one_line(exc)
                 raise
+            rec["calls"] = call
             if call == 1:
                 rec["seconds"] = round(seconds, 6)
             self._compare(names, outs, refs, table, kind, inputs, grad_outs, call)
