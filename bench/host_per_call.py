@@ -3,12 +3,17 @@
 ``portable_kernels/_direct.py``), ours through Triton's JIT launch (``PK_DIRECT_LAUNCH=0``),
 and torch's own operator on the same inputs.
 
-Each setting runs in a child process of its own (plans decide on direct launches when they
-are built), the two alternating over ``--rounds``; a child times ``--iters`` calls after a
-warm-up (which also tunes and compiles), then synchronizes once, so a call costs the larger
-of its host and device time, and reports the median of five such runs
-(``matmul_launch_overhead.per_call_us``). Inputs are fresh
-``torch.randn`` draws. The table gives the median over rounds.
+One process runs both settings, alternating over ``--rounds``. Plans decide on direct
+launches when they are built, so each pass sets ``PK_DIRECT_LAUNCH`` and drops the plans
+(``PluginHost.clear_caches``); the new plans take their tuned configs from the tuning cache
+and Triton's compiled kernels from its in-memory cache. (An earlier version ran a process
+per setting; this host's speed differed between processes by up to 2x, more than the effect
+measured.) Each case times ``--iters`` calls after a warm-up, then synchronizes once, so a
+call costs the larger of its host and device time; the median of five such runs
+(``matmul_launch_overhead.per_call_us``). Torch's operator is timed in every pass too, as
+a gauge of the host's drift. Inputs are fresh ``torch.randn`` draws. The table gives the
+median over rounds and the median of each round's JIT / direct ratio (two passes next to
+each other in time).
 
     python bench/host_per_call.py [--rounds 3] [--iters 2000] [--out PREFIX]
 
@@ -19,14 +24,13 @@ from __future__ import annotations
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from portable_kernels import plugins
 
 import _common  # bench/, beside this script
 from matmul_launch_overhead import per_call_us  # the same timing loop
@@ -76,11 +80,12 @@ def cases() -> dict:
     return out
 
 
-def child(iters: int) -> None:
-    result = {}
-    for name, (ours, theirs) in cases().items():
-        result[name] = {"ours": per_call_us(ours, iters), "torch": per_call_us(theirs, iters)}
-    print(json.dumps(result))
+def measure(iters: int, flag: str) -> dict:
+    """µs per call of every case with ``PK_DIRECT_LAUNCH=flag``, on plans built afresh."""
+    os.environ["PK_DIRECT_LAUNCH"] = flag
+    plugins.host().clear_caches()
+    return {name: {"ours": per_call_us(ours, iters), "torch": per_call_us(theirs, iters)}
+            for name, (ours, theirs) in cases().items()}
 
 
 def main() -> None:
@@ -88,38 +93,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--out", default="host-per-call", help="path prefix of the result files")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     info = _common.nvidia_gpu("bench/host_per_call.py", "against torch's operators", "tests/test_direct.py")
-    if args.child:
-        child(args.iters)
-        return
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     for r in range(args.rounds):
         for setting, flag in SETTINGS.items():
-            env = {**os.environ, "PK_DIRECT_LAUNCH": flag}
-            proc = subprocess.run([sys.executable, __file__, "--child", "--iters", str(args.iters)],
-                                  env=env, capture_output=True, text=True)
-            if proc.returncode:
-                sys.exit(f"{setting} child failed:\n{proc.stderr[-3000:]}")
-            runs[setting].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            runs[setting].append(measure(args.iters, flag))
             print(f"round {r + 1}/{args.rounds}: {setting} done", flush=True)
-    names = list(runs["direct"][0])
+    os.environ.pop("PK_DIRECT_LAUNCH")
     rows = []
-    for name in names:
+    for name in runs["direct"][0]:
         row = {"case": name}
         for setting in SETTINGS:
             row[setting] = statistics.median(run[name]["ours"] for run in runs[setting])
         row["torch"] = statistics.median(run[name]["torch"] for s in SETTINGS for run in runs[s])
+        row["jit_over_direct"] = statistics.median(
+            j[name]["ours"] / d[name]["ours"] for d, j in zip(runs["direct"], runs["jit"]))
         rows.append(row)
     header = (_common.header("eager host time per call", info, False).replace(" · median of do_bench", "")
-              + f" · median of {args.rounds} rounds")
+              + f" · one process, median of {args.rounds} rounds")
     lines = [header, "", "µs per call (a call costs the larger of its host and device time)", "",
-             "| case | ours, direct launches | ours, JIT launches | torch | JIT / direct | ours direct / torch |",
+             "| case | ours, direct launches | ours, JIT launches | torch | JIT / direct (per round) "
+             "| ours direct / torch |",
              "|:--|--:|--:|--:|--:|--:|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['direct']:.1f} | {r['jit']:.1f} | {r['torch']:.1f} | "
-                     f"{r['jit'] / r['direct']:.2f} | {r['direct'] / r['torch']:.2f} |")
+                     f"{r['jit_over_direct']:.2f} | {r['direct'] / r['torch']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     prefix = Path(args.out)

@@ -4,6 +4,7 @@ against autograd, and the autotuner's timer falling back when graph capture fail
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -296,3 +297,32 @@ def test_plots_drawn_through_perf_report(tmp_path):
     assert csv[0].split(",")[0] == "M"
     assert [float(v) for v in csv[1].split(",")] == [16, 20.0, 21.5]
     assert [float(v) for v in csv[2].split(",")] == [128, 150.0, 140.0]
+
+
+def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
+    """Each pass of bench/host_per_call.py sets PK_DIRECT_LAUNCH and drops the plans, so the
+    calls it times run on plans built under that setting."""
+    bench = _load("host_per_call")
+    x = torch.randn(64, device=device)
+    handle = pk.get_kernel("vector_add")
+    seen = []
+
+    def cases():
+        def ours():
+            handle(x, x)
+            seen.append((os.environ.get("PK_DIRECT_LAUNCH"), handle.plan(x, x)))
+        return {"vector_add": (ours, lambda: x + x)}
+
+    monkeypatch.setattr(bench, "cases", cases)
+    monkeypatch.setattr(bench, "per_call_us", lambda fn, iters: (fn(), 1.0)[1])
+    monkeypatch.delenv("PK_DIRECT_LAUNCH", raising=False)
+    handle(x, x)
+    before = handle.plan(x, x)
+    try:
+        results = [bench.measure(1, flag) for flag in ("1", "0")]
+    finally:
+        monkeypatch.delenv("PK_DIRECT_LAUNCH", raising=False)
+    assert results[0] == {"vector_add": {"ours": 1.0, "torch": 1.0}}
+    assert [flag for flag, _ in seen] == ["1", "0"]
+    plans = [plan for _, plan in seen]
+    assert plans[0] is not before and plans[1] is not plans[0]  # built afresh in each pass
