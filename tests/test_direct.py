@@ -118,31 +118,26 @@ def test_launch_hooks_keep_the_jit_path(cuda_stand_ins):
     assert len(fn.calls) == 2 and launch.launches == 0
 
 
-def test_grids_that_read_runtime_arguments_keep_the_jit_path(cuda_stand_ins):
-    """A grid computed from a runtime argument cannot be recomputed from the constexprs."""
+def _runtime_grid(meta):
+    return (triton.cdiv(meta["n"], meta["BLOCK"]),)
+
+
+@pytest.mark.parametrize("case", ["grid reads a runtime argument", "tensor among the scalars",
+                                  "direct launches off"])
+def test_calls_that_always_take_the_jit_path(cuda_stand_ins, case):
+    """A grid computed from a runtime argument cannot be recomputed from the constexprs; a
+    tensor among the scalars has no alignment in the key; and launchers built with direct
+    launches off never keep binaries."""
     fn = _Jit()
-    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=case != "direct launches off")
     x, y = _tensors()
+    grid, args = _grid, (x, y, 8, 0.5)
+    if case == "grid reads a runtime argument":
+        grid = _runtime_grid
+    elif case == "tensor among the scalars":
+        args = (x, 3, y, 0.5)
     for _ in range(3):
-        launch(lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),), (x, y, 8, 0.5), {})
-    assert len(fn.calls) == 3 and launch.launches == 0
-
-
-def test_tensors_among_the_scalars_keep_the_jit_path(cuda_stand_ins):
-    fn = _Jit()
-    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
-    x, y = _tensors()
-    for _ in range(3):
-        launch(_grid, (x, 3, y, 0.5), {})
-    assert len(fn.calls) == 3 and launch.launches == 0
-
-
-def test_without_direct_launches_every_call_is_a_jit_call():
-    fn = _Jit()
-    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=False)
-    x, y = _tensors()
-    for _ in range(3):
-        launch(_grid, (x, y, 8, 0.5), {})
+        launch(grid, args, {})
     assert len(fn.calls) == 3 and launch.launches == 0 and not launch.entries
 
 
