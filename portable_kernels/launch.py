@@ -161,7 +161,8 @@ class LaunchPlan:
         return self.configs[0]
 
     def autotuned(self, fn: Any, key: Sequence[str], config_pre_hook: Callable[[dict], None] | None = None,
-                  configs: Sequence[triton.Config] | None = None, **autotune_kwargs: Any) -> Any:
+                  configs: Sequence[triton.Config] | None = None, name: str = "",
+                  **autotune_kwargs: Any) -> Any:
         """``fn`` (a ``@triton.jit`` kernel) wrapped in ``triton.autotune`` over this plan's
         configs, keyed on the argument names ``key``. Built once per plan and kernel.
         Results persist per device fingerprint across processes (see ``tuning_cache``).
@@ -173,11 +174,14 @@ class LaunchPlan:
         tensor descriptors' block shapes to the config's blocks). ``configs`` replaces the
         plan's own list, for launchers that derive the kernel's configs from the plan's (e.g.
         without the keys the launcher reads itself); like the rest, fixed at the first call.
+        ``name`` tells apart several autotuners of one kernel (e.g. over the configs for
+        another operand size); each persists its results under its own entry.
         """
-        tuned = self._tuned.get(fn)
+        memo = (fn, name) if name else fn
+        tuned = self._tuned.get(memo)
         if tuned is None:
             with self._lock:
-                tuned = self._tuned.get(fn)
+                tuned = self._tuned.get(memo)
                 if tuned is None:
                     _ = self.config  # clear error when there are none
                     configs = self.configs if configs is None else list(configs)
@@ -192,10 +196,12 @@ class LaunchPlan:
                         # Near-ties timed again before a pick is kept (compiled kernels only).
                         tuned.__class__ = PlanAutotuner
                         tuned.confirm_ties = "interpreter" not in self.device.capabilities
-                    name = getattr(fn, "__name__", None) or fn.fn.__name__
-                    entry = f"{self.variant.kernel}/{self.variant.name}/{name}"
+                    fn_name = getattr(fn, "__name__", None) or fn.fn.__name__
+                    entry = f"{self.variant.kernel}/{self.variant.name}/{fn_name}"
+                    if name:
+                        entry += f":{name}"
                     tuned = tuning_cache.attach(tuned, self.device.fingerprint, entry)
-                    self._tuned[fn] = tuned
+                    self._tuned[memo] = tuned
         return tuned
 
     def run_tuned(self, tuned: Any, problem_key: Any, grid: Any, *args: Any, **kwargs: Any) -> None:

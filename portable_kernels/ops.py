@@ -284,8 +284,9 @@ _LIB.impl("layer_norm", layer_norm, "CompositeImplicitAutograd")
 
 @torch.library.custom_op(f"{NAMESPACE}::matmul", mutates_args=())
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``a`` (M, K), ``b`` (K, N) of one dtype (fp16, bf16, fp32), any
-    strides, fp32 accumulation; a new contiguous (M, N) tensor."""
+    """``a @ b`` for ``a`` (M, K), ``b`` (K, N) of one dtype (fp16, bf16, fp32, or fp8
+    e4m3/e5m2), any strides, fp32 accumulation; a new contiguous (M, N) tensor of that
+    dtype (bf16 for fp8 operands)."""
     return _handle("matmul")(a, b)
 
 
@@ -294,7 +295,9 @@ def _(a, b):
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise InputError(
             f"matmul: needs a (M, K) and b (K, N), got a {tuple(a.shape)}, b {tuple(b.shape)}")
-    return a.new_empty((a.shape[0], b.shape[1]))
+    from .kernels.matmul import out_dtype
+
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype(a.dtype))
 
 
 def _matmul_setup(ctx, inputs, output):
@@ -304,6 +307,11 @@ def _matmul_setup(ctx, inputs, output):
 def _matmul_backward(ctx, grad):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # The gradients would mix a bf16 grad with fp8 operands, which matmul does not take;
+        # fp8 weights are quantized copies, trained (if at all) through their bf16 masters.
+        raise InputError(f"matmul: no gradient for {str(a.dtype).replace('torch.', '')} "
+                         "operands; differentiate a matmul of their bf16 or fp32 values")
     # Our own kernel on transposed views: the launcher reads any strides, so no copies.
     da = matmul(grad, b.t()) if need_a else None
     db = matmul(a.t(), grad) if need_b else None

@@ -27,7 +27,8 @@ class Tolerance:
 
 # One table for every kernel. Kinds: "elementwise" (one rounding of an fp32 result; the
 # interpreter rounds bf16 toward zero, so 2 ulp), "reduction" (sums over a row), "dot"
-# (matrix products: K-long fp32 accumulations; fp32 inputs may run as tf32 on GPUs),
+# (matrix products: K-long fp32 accumulations; fp32 inputs may run as tf32 on GPUs; fp8
+# inputs are exact and their bf16 output is rounded once, 2 ulp under the interpreter),
 # "attention" (two chained dots through a softmax).
 TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     ("elementwise", torch.float32): Tolerance(1e-6, 1e-6),
@@ -39,6 +40,8 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     ("dot", torch.float32): Tolerance(2e-2, 2e-2),
     ("dot", torch.float16): Tolerance(2e-2, 2e-2),
     ("dot", torch.bfloat16): Tolerance(1e-1, 5e-2),
+    ("dot", torch.float8_e4m3fn): Tolerance(1e-2, 1.6e-2),
+    ("dot", torch.float8_e5m2): Tolerance(1e-2, 1.6e-2),
     ("attention", torch.float32): Tolerance(1e-2, 1e-2),
     ("attention", torch.float16): Tolerance(1e-2, 1e-2),
     ("attention", torch.bfloat16): Tolerance(5e-2, 5e-2),

@@ -17,7 +17,8 @@ from . import dispatch, plugins, tuning_cache
 from ._table import table
 from .errors import PortableKernelsError
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+          "fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
 
 
 def _sync(device: torch.device) -> None:
@@ -66,7 +67,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("kernel")
     p.add_argument("--shapes", nargs="+", required=True,
                    help="shape strings in the kernel's form (portable-kernels list shows it), e.g. 4096x4096x4096")
-    p.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16, fp32")
+    p.add_argument("--dtypes", default="fp16,bf16",
+                   help="comma-separated: fp16, bf16, fp32, fp8e4m3, fp8e5m2 (fp8: matmul)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true")
 

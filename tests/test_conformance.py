@@ -53,7 +53,7 @@ FAKE_PLUGIN = textwrap.dedent('''
         add = registry.add_variant
         add(Variant("vector_add", "fake.wrong", wrong, priority=-100))
         add(Variant("vector_add", "fake.unwritten", unwritten, priority=-100))
-        add(Variant("vector_add", "fake.fp8", vector_add.launch, requires={"fp8", "wgmma"}, priority=-100))
+        add(Variant("vector_add", "fake.libdevice", vector_add.launch, requires={"libdevice", "wgmma"}, priority=-100))
         add(Variant("vector_add", "fake.known_bad", wrong, priority=-100))
         add(Variant("vector_add", "fake.fixed", vector_add.launch, configs=_host.elementwise_configs,
                     priority=-100))
@@ -71,7 +71,7 @@ EXPECTED = {
     "generic": "pass",
     "fake.wrong": "fail",
     "fake.unwritten": "fail",
-    "fake.fp8": "skip",
+    "fake.libdevice": "skip",
     "fake.known_bad": "xfail",
     "fake.fixed": "xpass",
 }
@@ -141,8 +141,8 @@ def test_outcomes_of_every_kind(fake_run):
     assert wrong["tolerance"] == {"kind": "elementwise", "atol": 1e-6, "rtol": 1e-6}
     # Poisoned allocations: an output never written is NaN, not whatever the memory held.
     assert "NaN or inf where the reference is finite" in cases["vector_add/fake.unwritten/float16/n1/forward"]["reason"]
-    skip = cases["vector_add/fake.fp8/bfloat16/n1/forward"]
-    assert skip["reason"].startswith("requires fp8, wgmma") and skip["max_error"] is None
+    skip = cases["vector_add/fake.libdevice/bfloat16/n1/forward"]
+    assert skip["reason"].startswith("requires libdevice, wgmma") and skip["max_error"] is None
     assert cases["vector_add/fake.known_bad/float16/n1/forward"]["expected"] == "tracked in fake#1"
     fixed = cases["vector_add/fake.fixed/float32/n4097/forward"]
     assert fixed["expected"] == "fixed by fake#2?" and fixed["error_ratio"] <= 1
@@ -159,7 +159,7 @@ def test_failures_exit_non_zero_and_print_the_matrix(fake_run):
     assert set(rows) == set(EXPECTED)
     assert "pass 9/9" in rows["generic"]
     assert "FAIL 9/9" in rows["fake.wrong"] and "exceeds the elementwise tolerance" in rows["fake.wrong"]
-    assert "skip" in rows["fake.fp8"] and "requires fp8, wgmma" in rows["fake.fp8"]
+    assert "skip" in rows["fake.libdevice"] and "requires libdevice, wgmma" in rows["fake.libdevice"]
     assert "xfail 9/9" in rows["fake.known_bad"] and "tracked in fake#1" in rows["fake.known_bad"]
     assert "XPASS 9/9" in rows["fake.fixed"]
     assert "case(s) failed" in proc.stderr
@@ -190,7 +190,7 @@ def test_markdown_report(fake_run):
     assert md.startswith("# Conformance: ")
     assert "| kernel | variant | result | max error | tolerance | time | reason |" in md
     assert "## Cases that did not pass" in md and "## Skipped" in md
-    assert "| vector_add | fake.fp8 | 9 | requires fp8, wgmma" in md  # skips grouped by reason
+    assert "| vector_add | fake.libdevice | 9 | requires libdevice, wgmma" in md  # skips grouped by reason
 
 
 def test_xdist_workers_report_as_one_run(fake_env, fake_run, tmp_path):
@@ -236,7 +236,7 @@ def other_device(rep: dict) -> dict:
                   fingerprint="nvidia-sm_90-NVIDIA_H100-132sm-triton3.6.0")
     other.update(device=device, fingerprint=device["fingerprint"], torch_devices=["cuda:0", "cuda:1"])
     for case in other["cases"]:
-        if case["variant"] == "fake.fp8":
+        if case["variant"] == "fake.libdevice":
             case.update(outcome="pass", reason="", max_error=0.0, error_ratio=0.0)
     return other
 
@@ -247,8 +247,8 @@ def test_merge_builds_a_cross_device_matrix(fake_run):
     assert [d["fingerprint"] for d in merged["devices"]] == [rep["fingerprint"], other_device(rep)["fingerprint"]]
     rows = {(r["kernel"], r["variant"]): r["cells"] for r in merged["rows"]}
     assert set(rows) == {("vector_add", v) for v in EXPECTED}
-    fp8 = rows[("vector_add", "fake.fp8")]
-    assert fp8[rep["fingerprint"]]["status"] == "skip" and "requires fp8" in fp8[rep["fingerprint"]]["reason"]
+    fp8 = rows[("vector_add", "fake.libdevice")]
+    assert fp8[rep["fingerprint"]]["status"] == "skip" and "requires libdevice" in fp8[rep["fingerprint"]]["reason"]
     assert fp8["nvidia-sm_90-NVIDIA_H100-132sm-triton3.6.0"]["status"] == "pass"
     md = report.merged_markdown(merged)
     assert f"`{rep['fingerprint']}`" in md and "`nvidia-sm_90-NVIDIA_H100-132sm-triton3.6.0`" in md

@@ -12,11 +12,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import portable_kernels as pk
 from conftest import DEVICE
 from portable_kernels import dispatch
-from portable_kernels.errors import VariantUnavailableError
+from portable_kernels.errors import NoVariantError, VariantUnavailableError
 from portable_kernels.kernels import matmul as matmul_module
 from portable_kernels.testing import assert_close, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 TMA = "nvidia.persistent_tma"
 
 # (M, N, K). On the interpreter (64-wide blocks, GROUP_SIZE_M 4): 67x45x33 has a tail in
@@ -32,7 +33,7 @@ def _rand(gen, *shape, dtype, device):
 
 def _check(out, a, b):
     assert out.shape == (a.shape[0], b.shape[1])
-    assert out.dtype == a.dtype and out.device == a.device and out.is_contiguous()
+    assert out.dtype == matmul_module.out_dtype(a.dtype) and out.device == a.device and out.is_contiguous()
     assert not torch.isnan(out).any(), "the kernel left output elements unwritten"
     assert_close(out, matmul_module.reference(a, b), tolerance(a.dtype, "dot"), f"{tuple(out.shape)} {a.dtype}")
 
@@ -56,6 +57,95 @@ def test_strided_operands(device, gen, nan_empty, dtype):
     mm = pk.get_kernel("matmul")
     for x, y in ((a_t, b), (a, b_t), (a_t, b_t), (a_step, b_step), (a_step, b_t)):
         _check(mm(x, y), x, y)
+
+
+# --- fp8 operands (bf16 output) -----------------------------------------------------------
+
+def _skip_without_fp8(device):
+    if not pk.device_info(device).has("fp8"):
+        pytest.skip(f"{pk.device_info(device).name} has no fp8 capability")
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_operands(device, gen, nan_empty, dtype):
+    """Any variant dispatch picks: tails everywhere, row- and column-major operands (a
+    weight ``w`` of shape (N, K) is passed as ``w.t()``), and strides no descriptor takes."""
+    _skip_without_fp8(device)
+    mm = pk.get_kernel("matmul")
+    for M, N, K in ((67, 45, 33), (130, 80, 208)):
+        a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+        w = _rand(gen, N, K, dtype=dtype, device=device)
+        a_step = _rand(gen, M, 2 * K, dtype=dtype, device=device)[:, ::2]
+        for x, y in ((a, b), (a, w.t()), (a_step, w.t())):
+            out = mm(x, y)
+            assert out.dtype == torch.bfloat16
+            _check(out, x, y)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_tma_variant_layouts(device, gen, nan_empty, dtype):
+    # 80x48x96: tails in M and K of 64-wide blocks, every row 16-byte aligned in both
+    # layouts (fp8: multiples of 16 elements).
+    _skip_without_fp8(device)
+    M, N, K = 80, 48, 96
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    a_t = _rand(gen, K, M, dtype=dtype, device=device).t()
+    b_t = _rand(gen, N, K, dtype=dtype, device=device).t()
+    mm = pk.get_kernel("matmul")
+    with pk.use_variant(matmul=TMA):
+        for x, y in ((a, b), (a_t, b), (a, b_t), (a_t, b_t)):
+            _check(mm(x, y), x, y)
+
+
+@pytest.mark.parametrize("variant", ["generic", TMA])
+def test_fp8_tiles_as_compiled(device, gen, nan_empty, variant):
+    """UPCAST off, as on GPUs: the interpreter then runs the fp8 paths compiled kernels
+    take (fp16 conversion; with K-major descriptor tiles, the fp8 dot with its periodic
+    fp32 accumulation)."""
+    _skip_without_fp8(device)
+    dtype = torch.float8_e4m3fn
+    M, N, K = 80, 48, 96
+    a, b = _rand(gen, M, K, dtype=dtype, device=device), _rand(gen, K, N, dtype=dtype, device=device)
+    w = _rand(gen, N, K, dtype=dtype, device=device)
+    with pk.use_variant(matmul=variant):
+        base = dispatch._launch_plan(pk.explain("matmul", a, b))
+    plan = pk.LaunchPlan(base.variant, base.device, base.configs, dict(base.switches, UPCAST=False))
+    for y in (b, w.t()):
+        _check(matmul_module.launch(plan, a, y), a, y)
+
+
+def test_fp8_needs_the_capability(fresh_host):
+    """An A100 (sm_80) has no fp8 dots: selection says so instead of compiling."""
+    fresh_host()
+    a = torch.ones(16, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pk.emulate("a100"):
+        with pytest.raises(NoVariantError, match="generic: float8_e4m3fn inputs need the fp8 capability"):
+            pk.explain("matmul", a, a)
+
+
+def test_fp8_has_no_gradient(device, gen):
+    _skip_without_fp8(device)
+    a = _rand(gen, 16, 16, dtype=torch.float8_e4m3fn, device=device).requires_grad_()
+    from portable_kernels import ops
+
+    out = ops.matmul(a, a.detach())
+    with pytest.raises(ValueError, match="no gradient for float8_e4m3fn operands"):
+        out.sum().backward()
+
+
+def test_operand_configs():
+    """A table may keep configs per operand size; the mark never reaches the kernel."""
+    def cfg(bk, **marks):
+        return triton.Config({"BLOCK_SIZE_K": bk, **marks}, num_warps=4)
+
+    both = [cfg(64), cfg(128, OPERAND_BYTES=1)]
+    assert [c.kwargs for c in matmul_module.operand_configs(both, 1)] == [{"BLOCK_SIZE_K": 128}]
+    assert [c.kwargs for c in matmul_module.operand_configs(both, 2)] == [{"BLOCK_SIZE_K": 64}]
+    assert both[1].kwargs == {"BLOCK_SIZE_K": 128, "OPERAND_BYTES": 1}  # the table is untouched
+    unmarked = [cfg(64), cfg(32)]
+    assert matmul_module.operand_configs(unmarked, 1) == unmarked
+    only_fp8 = [cfg(128, OPERAND_BYTES=1)]
+    assert [c.kwargs for c in matmul_module.operand_configs(only_fp8, 2)] == [{"BLOCK_SIZE_K": 128}]
 
 
 def test_empty_dimensions(device):
@@ -101,10 +191,16 @@ def test_launch_metadata():
     attached = getattr(kernel, "launch_metadata", None) or kernel.kwargs.get("launch_metadata")
     assert attached is meta
     out = torch.empty(3, 16, dtype=torch.float16)
+    a = torch.empty(3, 7, dtype=torch.float16)
     for c in (out, TensorDescriptor.from_tensor(out, [1, 16])):
-        got = meta((1, 1, 1), types.SimpleNamespace(name="_matmul_kernel"), {"M": 3, "N": 16, "K": 7, "c": c})
+        got = meta((1, 1, 1), types.SimpleNamespace(name="_matmul_kernel"),
+                   {"M": 3, "N": 16, "K": 7, "a": a, "c": c})
         assert got == {"name": "_matmul_kernel [M=3, N=16, K=7]", "flops16": 2.0 * 3 * 16 * 7,
                        "bytes": 2 * (3 * 7 + 7 * 16 + 3 * 16)}
+    # fp8 operands, bf16 output: the flops are counted at the operands' width.
+    got = meta((1, 1, 1), types.SimpleNamespace(name="_matmul_kernel"),
+               {"M": 3, "N": 16, "K": 7, "a": a.to(torch.float8_e4m3fn), "c": out.to(torch.bfloat16)})
+    assert got["flops8"] == 2.0 * 3 * 16 * 7 and got["bytes"] == (3 * 7 + 7 * 16) + 2 * 3 * 16
 
 
 def test_launch_metadata_reaches_profiler_hooks(device, gen):
@@ -191,7 +287,7 @@ def test_tma_variant_pointer_configs(config, device, gen, nan_empty):
     with pk.use_variant(matmul=TMA):
         base = dispatch._launch_plan(pk.explain("matmul", a, b))
     plan = pk.LaunchPlan(base.variant, base.device, [config], base.switches)
-    kernel, switches = matmul_module._tuned_kernel(plan)
+    kernel, switches, _ = matmul_module._tuned_kernel(plan, 2)
     assert [c.kwargs["TMA"] for c in kernel.configs] == [False]
     assert not set(matmul_module.CONFIG_SWITCHES) & set(switches)  # the configs carry them
     for x, y in ((a, b), (a_t, b), (a, b_t), (a_t, b_t)):
@@ -205,7 +301,7 @@ def test_configs_without_switches_keep_the_variants():
     config = triton.Config({"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32,
                             "GROUP_SIZE_M": 4}, num_warps=4)
     plan = pk.LaunchPlan(variant, h200, [config], dict(variant.switches))
-    kernel, switches = matmul_module._tuned_kernel(plan)
+    kernel, switches, _ = matmul_module._tuned_kernel(plan, 2)
     assert kernel.configs[0].kwargs == config.kwargs and switches == variant.switches
 
 

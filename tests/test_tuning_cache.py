@@ -100,6 +100,21 @@ def test_tune_command(capsys, fresh_host, device):
     assert all(r["variant"] == pk.explain("softmax", device=device).variant for r in out["results"])
 
 
+def test_tune_command_fp8_matmul(capsys, fresh_host, device):
+    """fp8 matmuls pre-tune with the weight layout their calls use (b column-major)."""
+    fresh_host()
+    if not pk.device_info(device).has("fp8"):
+        pytest.skip(f"{pk.device_info(device).name} has no fp8 capability")
+    code = cli.main(["tune", "matmul", "--shapes", "64x32x48", "--dtypes", "fp8e4m3",
+                     "--device", str(device), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and [(r["shape"], r["dtype"]) for r in out["results"]] == [("64x32x48", "float8_e4m3fn")]
+    from portable_kernels.kernels import matmul as mm
+
+    (a, b), _ = mm.inputs("64x32x48", torch.float8_e4m3fn, device)
+    assert a.is_contiguous() and b.shape == (48, 32) and b.stride() == (1, 48)
+
+
 def test_tune_rejects_bad_shapes(capsys, fresh_host, device):
     fresh_host()
     code = cli.main(["tune", "softmax", "--shapes", "8x", "--device", str(device)])

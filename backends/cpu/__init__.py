@@ -31,9 +31,10 @@ from . import tuning
 
 # What the interpreter can execute. It runs tensor-descriptor loads and warp-specialized
 # loops correctly (the loop options are ignored), so variants using them are testable here;
+# it converts fp8 values exactly and its fp8 dots accumulate in fp32 (tests/test_matmul.py);
 # it has no libdevice and no tensor cores.
 CAPABILITIES = frozenset({
-    "interpreter", "bf16", "fp64", "atomics", "tensor_descriptor", "warp_specialize",
+    "interpreter", "bf16", "fp8", "fp64", "atomics", "tensor_descriptor", "warp_specialize",
 })
 
 

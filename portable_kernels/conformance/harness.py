@@ -153,6 +153,9 @@ class KernelSuite:
             forward), for values whose rounding error scales with something other than the
             value itself, e.g. gradients that are sums over a sequence. The base always
             comes from the one table.
+        out_dtype: ``out_dtype(input dtype) -> output dtype`` for kernels whose outputs do
+            not have their inputs' dtype (e.g. matmul's bf16 output of fp8 operands);
+            default: the same dtype.
     """
 
     kernel: str
@@ -167,6 +170,7 @@ class KernelSuite:
     call: Callable[[Callable, Inputs], Any] = _plain_call
     reference: Callable[..., Any] | None = None
     tolerance_for: Callable[..., testing.Tolerance] | None = None
+    out_dtype: Callable[[torch.dtype], torch.dtype] | None = None
 
     def __post_init__(self) -> None:
         ids = [s.id for s in self.shapes]
@@ -611,14 +615,15 @@ class CaseRun:
         case, adjust = self.case, self.case.suite.tolerance_for
         rec = self.record if call == 1 else {}
         where = "" if call == 1 else f"call {call}: "
+        expected_dtype = case.dtype if case.suite.out_dtype is None else case.suite.out_dtype(case.dtype)
         worst = (0.0, 0.0, "", table)
         for name, out, ref in zip(names, outs, refs):
             if not isinstance(out, torch.Tensor):
                 self._fail(f"{where}{name} is a {type(out).__name__}, not a tensor")
             if tuple(out.shape) != tuple(ref.shape):
                 self._fail(f"{where}{name} has shape {tuple(out.shape)}, the reference {tuple(ref.shape)}")
-            if out.dtype != case.dtype:
-                self._fail(f"{where}{name} has dtype {dtype_name(out.dtype)}, expected {dtype_name(case.dtype)}")
+            if out.dtype != expected_dtype:
+                self._fail(f"{where}{name} has dtype {dtype_name(out.dtype)}, expected {dtype_name(expected_dtype)}")
             if out.device != self.session.torch_device:
                 self._fail(f"{where}{name} is on {out.device}, the inputs on {self.session.torch_device}")
             tol = table if adjust is None else adjust(table, name, ref, inputs, grad_outs)

@@ -1,8 +1,11 @@
 """Conformance of ``matmul(a, b)``: every variant, dtype and shape below. Variants that
-need aligned rows (tensor descriptors) skip the shapes they do not accept, saying why."""
+need aligned rows (tensor descriptors) skip the shapes they do not accept, saying why, and
+fp8 cases skip on devices without the ``fp8`` capability."""
 from __future__ import annotations
 
-from portable_kernels.conformance.harness import Inputs, KernelSuite, Shape, randn
+from portable_kernels.conformance.harness import DEFAULT_DTYPES, Inputs, KernelSuite, Shape, randn
+from portable_kernels.kernels import _host
+from portable_kernels.kernels.matmul import out_dtype
 
 
 def make_inputs(shape, dtype, device, gen) -> Inputs:
@@ -16,6 +19,9 @@ SUITE = KernelSuite(
     kernel="matmul",
     make_inputs=make_inputs,
     tolerance="dot",
+    dtypes=(*DEFAULT_DTYPES, *_host.FP8_DTYPES),
+    quick_dtypes=(*DEFAULT_DTYPES, _host.FP8_DTYPES[0]),
+    out_dtype=out_dtype,
     shapes=(
         Shape("1x1x1", mnk=(1, 1, 1)),                               # one element: every mask on
         Shape("67x45x33", mnk=(67, 45, 33), quick=True),             # odd everywhere: tails in M, N, K

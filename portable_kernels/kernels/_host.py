@@ -14,6 +14,8 @@ from ..device import DeviceInfo
 from ..errors import DTypeError, InputError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The 8-bit float formats of ``tl.dot`` (OCP e4m3 and e5m2), for kernels that take them.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -91,9 +93,13 @@ def check_same_shape(kernel: str, **tensors: torch.Tensor) -> None:
 
 
 def dtype_supported(problem: Any, device: DeviceInfo) -> str | None:
-    """A variant predicate: bf16 problems need the device's ``bf16`` capability."""
+    """A variant predicate: bf16 problems need the device's ``bf16`` capability, and fp8
+    problems its ``fp8`` one."""
     if problem.dtype == torch.bfloat16 and not device.has("bf16"):
         return f"bfloat16 inputs need the bf16 capability, which {device.name} lacks"
+    if problem.dtype in FP8_DTYPES and not device.has("fp8"):
+        return (f"{_dtype_name(problem.dtype)} inputs need the fp8 capability (float8 dots), "
+                f"which {device.name} lacks")
     return None
 
 

@@ -1,5 +1,11 @@
 """matmul: ``out = a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N), any sizes, fp32 accumulation.
 
+Operands: fp16, bf16 or fp32, and the output has their dtype; or fp8 (``float8_e4m3fn``,
+``float8_e5m2``, both operands the same) on devices with the ``fp8`` capability, and then
+the output is bf16: an fp8 output could hold neither the range nor the precision of a
+K-long sum. No scales are applied; for per-tensor scaled fp8 (``torch._scaled_mm``'s
+``scale_a * scale_b``), multiply the output by the product of the scales.
+
 Each program computes ``BLOCK_SIZE_M x BLOCK_SIZE_N`` tiles of the output: it walks K in
 steps of ``BLOCK_SIZE_K``, accumulating ``tl.dot`` of an A tile and a B tile in fp32, and
 rounds to the output dtype once at the end. Tiles are visited in grouped order
@@ -17,8 +23,10 @@ Constexpr switches (a variant sets them; see ``_tiles.py`` for the ones the help
     UPCAST: fp32 dots (the interpreter's bf16 arithmetic is wrong).
 
 Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``, optionally
-``EPILOGUE_SUBTILE`` (TMA path: store the tile in two halves) and ``SPLIT_K``, ``num_warps``,
-``num_stages``; autotuned per (M, N, K). A config of a descriptor variant may also set
+``EPILOGUE_SUBTILE`` (TMA path: store the tile in two halves), ``SPLIT_K`` and
+``FP8_PROMOTE`` (fp8 MMAs: products per addition into the fp32 accumulator, default 128,
+see ``_tiles.dot_acc``), ``num_warps``, ``num_stages``; autotuned per (M, N, K). A table
+may mark configs ``OPERAND_BYTES: 1`` to keep them for fp8 operands (``operand_configs``). A config of a descriptor variant may also set
 ``TMA`` and ``PERSISTENT`` (:data:`CONFIG_SWITCHES`), overriding the variant's switches for
 the problems it is picked for: on sm_90 the pointer-load kernel, one program per tile, runs
 small problems faster than the persistent descriptor one (which builds its descriptors in
@@ -56,9 +64,18 @@ from . import _counters, _host, _tiles
 
 NAME = "matmul"
 
+#: Operand dtypes: the float types, and fp8 (which needs the ``fp8`` capability).
+OPERAND_DTYPES = _host.FLOAT_DTYPES + _host.FP8_DTYPES
+
 #: dtypes the TMA path takes: 16-bit operands, which the MMA reads from shared memory in
-#: either order (so transposed operands need no copy). fp32 stays on the pointer path.
-TMA_DTYPES = (torch.float16, torch.bfloat16)
+#: either order (so transposed operands need no copy), and fp8. fp32 stays on the pointer
+#: path.
+TMA_DTYPES = (torch.float16, torch.bfloat16, *_host.FP8_DTYPES)
+
+
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The output dtype of operands of ``dtype``: the same, but bf16 for fp8 operands."""
+    return torch.bfloat16 if dtype in _host.FP8_DTYPES else dtype
 
 #: Switches a config may set, overriding the variant's (see the module docstring). Turning
 #: TMA off is always safe: the pointer path takes any layout the descriptor path takes.
@@ -69,13 +86,12 @@ def _matmul_launch_metadata(grid, kernel, args) -> dict:
     """What profilers (proton, launch hooks) record per launch: a name with the problem
     size, the flops and the bytes moved at least once."""
     M, N, K = args["M"], args["N"], args["K"]
-    out = args["c"]
-    out = getattr(out, "base", out)  # in case of a host TensorDescriptor
-    size = out.element_size()
+    a, out = (getattr(args[n], "base", args[n]) for n in ("a", "c"))  # or host TensorDescriptors
+    size = a.element_size()
     return {
         "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
         f"flops{8 * size}": 2.0 * M * N * K,
-        "bytes": size * (M * K + K * N + M * N),
+        "bytes": size * (M * K + K * N) + out.element_size() * M * N,
     }
 
 
@@ -149,7 +165,7 @@ def _matmul_tile(
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST: tl.constexpr,
-    A_T: tl.constexpr, B_T: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, FP8_PROMOTE: tl.constexpr,
 ):
     # --- work unit -> tile (grouped order) and K blocks [k_lo, k_hi) ---
     k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
@@ -179,7 +195,8 @@ def _matmul_tile(
         # (bench/matmul_sweep.py, 2026-11-30), as if the split epilogue's partial stores
         # and counter raced the specialized loop. Pipelined, they are correct.
         acc = _tiles.desc_mainloop(a, b, off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                                   BLOCK_SIZE_K, A_T, B_T, UPCAST, WARP_SPECIALIZE and SPLIT_K == 1)
+                                   BLOCK_SIZE_K, A_T, B_T, UPCAST, WARP_SPECIALIZE and SPLIT_K == 1,
+                                   FP8_PROMOTE)
     else:
         acc = _tiles.ptr_mainloop(a, b, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                   off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
@@ -210,6 +227,7 @@ def _matmul_kernel(
     GROUP_SIZE_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    FP8_PROMOTE: tl.constexpr = 128,
     # --- meta: variant switches, then per-call layout ---
     TMA: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False,
@@ -234,14 +252,14 @@ def _matmul_kernel(
                          stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                          num_pid_m, num_pid_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
                          GROUP_SIZE_M, EPILOGUE_SUBTILE, SPLIT_K, TMA, WARP_SPECIALIZE, UPCAST,
-                         A_T, B_T)
+                         A_T, B_T, FP8_PROMOTE)
     else:
         # --- one program per work unit ---
         _matmul_tile(tl.program_id(0), a, b, c, partials, counters, M, N, K,
                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                      num_pid_m, num_pid_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
                      GROUP_SIZE_M, EPILOGUE_SUBTILE, SPLIT_K, TMA, WARP_SPECIALIZE, UPCAST,
-                     A_T, B_T)
+                     A_T, B_T, FP8_PROMOTE)
 
 
 # --- host launcher --------------------------------------------------------------------------
@@ -257,7 +275,8 @@ class Problem(NamedTuple):
 def problem(a, b) -> Problem:
     """Selection key of a ``matmul(a, b)`` call."""
     device = _host.same_device(NAME, a=a, b=b)
-    n_aligned = b.dim() == 2 and (b.shape[1] * b.element_size()) % 16 == 0
+    # Output rows of N elements: 2 bytes each for fp8 operands (bf16 output).
+    n_aligned = b.dim() == 2 and (b.shape[1] * max(2, b.element_size())) % 16 == 0
     return Problem(device, a.dtype, _host.tma_layout(a), _host.tma_layout(b), n_aligned)
 
 
@@ -265,7 +284,7 @@ def tma_accepts(problem: Problem, device) -> str | None:
     """Predicate of TMA variants: what a tensor descriptor cannot describe goes elsewhere."""
     if problem.dtype not in TMA_DTYPES:
         return (f"{_host._dtype_name(problem.dtype)} operands stay on pointer loads (the TMA "
-                "path takes float16 and bfloat16)")
+                "path takes float16, bfloat16 and the fp8 types)")
     for name, layout in (("a", problem.a_layout), ("b", problem.b_layout)):
         if not layout:
             return (f"{name} cannot be described by a tensor descriptor: it needs a unit "
@@ -277,11 +296,11 @@ def tma_accepts(problem: Problem, device) -> str | None:
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> None:
     # Every call runs this: the usual case in one expression, the messages only on failure.
-    if (a.dtype is b.dtype and a.dtype in _host.FLOAT_DTYPES and a.dim() == 2 and b.dim() == 2
+    if (a.dtype is b.dtype and a.dtype in OPERAND_DTYPES and a.dim() == 2 and b.dim() == 2
             and a.shape[1] == b.shape[0]):
         return
-    _host.check_dtype(NAME, "a", a)
-    _host.check_dtype(NAME, "b", b)
+    _host.check_dtype(NAME, "a", a, OPERAND_DTYPES)
+    _host.check_dtype(NAME, "b", b, OPERAND_DTYPES)
     _host.check_same_dtype(NAME, a=a, b=b)
     _host.check_ndim(NAME, "a", a, 2, "(M, K)")
     _host.check_ndim(NAME, "b", b, 2, "(K, N)")
@@ -339,14 +358,35 @@ def _split_workspace(configs: list, m: int, n: int, k: int, num_sms: int) -> tup
     return slices, tiles
 
 
-def _tuned_kernel(plan):
-    """``(autotuned kernel, switches to pass at launch)``: when some config sets a
-    :data:`CONFIG_SWITCHES` entry, every config carries those switches (the variant's
-    values where it sets none) and the launch passes the rest; otherwise the configs are the
-    plan's own and the launch passes every switch."""
+def operand_configs(configs: list, itemsize: int) -> list:
+    """The configs for operands of ``itemsize`` bytes: those a table marks with
+    ``OPERAND_BYTES: itemsize``, else the unmarked ones (else all), without the mark (the
+    kernel does not take it). fp8 tiles want twice the K depth of 16-bit ones for the same
+    bytes per stage, so a table may keep separate lists."""
+    marked = [c for c in configs if c.kwargs.get("OPERAND_BYTES") == itemsize]
+    chosen = marked or [c for c in configs if "OPERAND_BYTES" not in c.kwargs] or configs
+    if not any("OPERAND_BYTES" in c.kwargs for c in chosen):
+        return chosen
+    chosen = [copy.copy(c) for c in chosen]
+    for c in chosen:
+        c.kwargs = {k: v for k, v in c.kwargs.items() if k != "OPERAND_BYTES"}
+    return chosen
+
+
+class _Tuned(NamedTuple):
+    kernel: object     # the autotuned _matmul_kernel
+    switches: dict     # passed at launch
+    configs: list      # the autotuner's configs (for sizing split-K workspaces)
+
+
+def _tuned_kernel(plan, itemsize: int) -> _Tuned:
+    """The autotuner for operands of ``itemsize`` bytes (over :func:`operand_configs`),
+    and the switches to pass at launch: when some config sets a :data:`CONFIG_SWITCHES`
+    entry, every config carries those switches (the variant's values where it sets none)
+    and the launch passes the rest; otherwise the launch passes every switch."""
     def build():
         switches = plan.switches
-        configs = plan.configs
+        configs = operand_configs(plan.configs, itemsize)
         if any(name in c.kwargs for c in configs for name in CONFIG_SWITCHES):
             defaults = {name: switches.get(name, False) for name in CONFIG_SWITCHES}
             configs = [copy.copy(c) for c in configs]
@@ -354,21 +394,39 @@ def _tuned_kernel(plan):
                 c.kwargs = {**defaults, **c.kwargs}
             switches = {k: v for k, v in switches.items() if k not in CONFIG_SWITCHES}
         num_sms = plan.device.num_sms
+        # 2-byte operands keep the unnamed autotuner (and its persisted results).
         kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"], configs=configs,
-                                prune_configs_by={"early_config_prune": functools.partial(_prune, num_sms=num_sms)})
-        return kernel, switches
+                                prune_configs_by={"early_config_prune": functools.partial(_prune, num_sms=num_sms)},
+                                name="" if itemsize == 2 else f"{itemsize}-byte operands")
+        return _Tuned(kernel, switches, configs)
 
-    return plan.cached((NAME, "tuned kernel"), build)
+    return plan.cached((NAME, "tuned kernel", itemsize), build)
+
+
+def _problem_key(tma: bool, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """``(M, N, K, A_T, B_T, dtype)``: the autotuner's whole key for ``a @ b``. A_T and B_T
+    are set (descriptor path only) for column-major operands, which are described through
+    their transposes."""
+    a_t = tma and a.stride(0) == 1 and a.stride(1) != 1
+    b_t = tma and b.stride(0) == 1 and b.stride(1) != 1
+    return (a.shape[0], b.shape[1], a.shape[1], a_t, b_t, a.dtype)
+
+
+def chosen_config(plan, a: torch.Tensor, b: torch.Tensor) -> dict | None:
+    """The config keywords ``plan`` launches ``a @ b`` with once tuned (None before): for
+    benchmarks and ``explain``-style reports."""
+    tuned = _tuned_kernel(plan, a.element_size()).kernel
+    return plan.chosen(tuned, _problem_key(plan.switches.get("TMA", False), a, b))
 
 
 def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for ``a`` (M, K) and ``b`` (K, N) of one float dtype (fp16, bf16, fp32),
-    any strides; accumulates in fp32 (tf32 dots for fp32 on NVIDIA GPUs). Returns a new
-    contiguous (M, N) tensor of that dtype."""
+    """``a @ b`` for ``a`` (M, K) and ``b`` (K, N) of one dtype (fp16, bf16, fp32, or fp8
+    e4m3/e5m2), any strides; accumulates in fp32 (tf32 dots for fp32 on NVIDIA GPUs).
+    Returns a new contiguous (M, N) tensor of that dtype, or bf16 for fp8 operands."""
     _check(a, b)
     M, K = a.shape
     N = b.shape[1]
-    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    out = torch.empty((M, N), dtype=out_dtype(a.dtype), device=a.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -380,22 +438,19 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         units = _host.cdiv(M, bm) * _host.cdiv(N, bn) * meta.get("SPLIT_K", 1)
         return (min(units, num_sms) if meta.get("PERSISTENT", False) else units,)
 
-    kernel, switches = _tuned_kernel(plan)
+    kernel, switches, configs = _tuned_kernel(plan, a.element_size())
     # The variant's TMA: a config may turn it off, and then ignores A_T, B_T and the
     # descriptors' scratch.
     tma = plan.switches.get("TMA", False)
-    # Column-major operands are described through their transposes (descriptor path).
-    a_t = tma and a.stride(0) == 1 and a.stride(1) != 1
-    b_t = tma and b.stride(0) == 1 and b.stride(1) != 1
+    problem_key = _problem_key(tma, a, b)
+    a_t, b_t = problem_key[3], problem_key[4]
 
     # --- split-K workspace: for the config tuned for this problem, or before tuning for
     # any config the autotuner may pick that splits K ---
-    # (M, N, K, A_T, B_T) and the dtype are the autotuner's whole key.
-    problem_key = (M, N, K, a_t, b_t, a.dtype)
     chosen = plan.chosen(kernel, problem_key)
     if chosen is None:
-        slices, tiles = plan.cached(("matmul.split_k", M, N, K),
-                                    lambda: _split_workspace(plan.configs, M, N, K, num_sms))
+        slices, tiles = plan.cached(("matmul.split_k", M, N, K, a.element_size()),
+                                    lambda: _split_workspace(configs, M, N, K, num_sms))
     elif chosen.get("SPLIT_K", 1) > 1:
         slices = chosen["SPLIT_K"]
         tiles = _host.cdiv(M, chosen["BLOCK_SIZE_M"]) * _host.cdiv(N, chosen["BLOCK_SIZE_N"])
@@ -428,9 +483,13 @@ def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
-    """Random ``(a, b)`` for shape string ``"MxNxK"``: a (M, K), b (K, N)."""
+    """Random ``(a, b)`` for shape string ``"MxNxK"``: a (M, K), b (K, N); for fp8, ``b``
+    column-major (an (N, K) weight's transpose), the layout fp8 MMAs run fastest on."""
     m, n, k = _host.parse_shape(NAME, shape, "MxNxK")
-    return (torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)), {}
+    a = torch.randn(m, k, device=device).to(dtype)
+    if dtype in _host.FP8_DTYPES:
+        return (a, torch.randn(n, k, device=device).to(dtype).t()), {}
+    return (a, torch.randn(k, n, device=device).to(dtype)), {}
 
 
 def default_configs(device) -> list:
