@@ -16,7 +16,7 @@ a kernel does not compile or needs more shared memory than the device has.
 
     python ci/sm90_compile.py [--quick] [--families flash_attn,matmul] [--markdown OUT]
 
-``--quick``: fp16 only and one config per row class. Needs no GPU and no CUDA install.
+``--quick``: fp16 (and fp8 e4m3 for fp8 configs) only, one config per row class. Needs no GPU and no CUDA install.
 """
 from __future__ import annotations
 
@@ -178,16 +178,29 @@ def matmul_cases(host, device, quick: bool):
     from portable_kernels.kernels import matmul as mm
 
     dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
+    fp8_dtypes = [torch.float8_e4m3fn] if quick else [torch.float8_e4m3fn, torch.float8_e5m2]
     for variant in ("nvidia.persistent_tma", "generic"):
         plan_list = plans(host, device, "matmul", variant)
         if quick:
             plan_list = plan_list[:1] + [p for p in plan_list if p.configs[0].kwargs.get("SPLIT_K", 1) > 1][:1]
         for plan in plan_list:
-            for dtype in dtypes:
+            cfg = plan.configs[0]
+            # A table's fp8 configs (OPERAND_BYTES=1) with fp8 operands, b in both layouts:
+            # column-major (a weight's transpose) takes the fp8 MMA, row-major converts
+            # tiles to fp16. The generic table serves fp8 too (converted tiles).
+            if cfg.kwargs.get("OPERAND_BYTES") == 1:
+                cases = [(d, lay) for d in fp8_dtypes for lay in ("col", "row")]
+            else:
+                cases = [(d, "row") for d in dtypes]
+                if variant == "generic" and not quick:
+                    cases.append((torch.float8_e4m3fn, "row"))
+            for dtype, layout in cases:
                 name = (f"matmul/{variant} "
-                        f"{_label(plan.configs[0], ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} "
-                        f"{str(dtype)[6:]}")
-                a, b = torch.empty(512, 512, dtype=dtype), torch.empty(512, 512, dtype=dtype)
+                        f"{_label(cfg, ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} "
+                        f"{str(dtype)[6:]}" + (" b col-major" if layout == "col" else ""))
+                a = torch.empty(512, 512, dtype=dtype)
+                b = torch.empty(512, 512, dtype=dtype)
+                b = b.t() if layout == "col" else b
                 yield name, (lambda plan=plan, a=a, b=b: mm.launch(plan, a, b))
 
 

@@ -92,6 +92,31 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 128, 64, 4, 8, SPLIT_K=4, **_POINTERS),      # M = 16, K >= 4096
         _gemm(128, 128, 32, 4, 8, SPLIT_K=4, **_POINTERS),     # M = 128, N = 4096
         _gemm(32, 64, 32, 5, 2, **_POINTERS),                  # M = 16, N = 14336
+    ] + _matmul_fp8(device)
+
+
+def _matmul_fp8(device: DeviceInfo) -> list[triton.Config]:
+    # fp8 operands (OPERAND_BYTES=1, see matmul.operand_configs): the K depth doubles for
+    # the same bytes per stage. The fp8 MMA needs K-major tiles (a row-major, b
+    # column-major, as an (N, K) weight's transpose); other layouts run fp16 MMAs on
+    # converted tiles, through descriptors (0.31-0.33x scaled_mm at 4096^3) or pointer
+    # loads (0.23x at best), so the pointer configs here are for operands descriptors
+    # cannot take. 2026-11-30 probe and sweep (bench/matmul_sweep.py --dtype fp8e4m3).
+    fp8 = {"OPERAND_BYTES": 1}
+    return [
+        _gemm(128, 256, 128, 3, 8, EPILOGUE_SUBTILE=True, **fp8),
+        _gemm(128, 128, 128, 4, 8, **fp8),
+        _gemm(128, 128, 256, 3, 8, **fp8),
+        _gemm(64, 128, 128, 4, 8, **fp8),
+        _gemm(64, 64, 128, 5, 8, **fp8),
+        _gemm(64, 64, 256, 4, 8, **fp8),
+        _gemm(64, 128, 128, 3, 8, SPLIT_K=4, **fp8),
+        _gemm(64, 128, 256, 3, 8, SPLIT_K=4, **fp8),
+        _gemm(64, 64, 128, 4, 8, SPLIT_K=2, **fp8),
+        _gemm(128, 128, 128, 3, 8, SPLIT_K=2, **fp8),
+        _gemm(128, 128, 64, 3, 8, **_POINTERS, **fp8),
+        _gemm(64, 128, 64, 4, 8, SPLIT_K=4, **_POINTERS, **fp8),
+        _gemm(64, 64, 64, 3, 4, SPLIT_K=2, **_POINTERS, **fp8),
     ]
 
 
