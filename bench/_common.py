@@ -16,6 +16,8 @@ import portable_kernels as pk
 from portable_kernels.device import DeviceInfo
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: fp8 operands, for the benches whose kernels take them (``bench/matmul.py``).
+FP8 = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
 
 
 def options(doc: str, out: str, quick: str) -> argparse.ArgumentParser:
@@ -29,14 +31,14 @@ def options(doc: str, out: str, quick: str) -> argparse.ArgumentParser:
     return parser
 
 
-def dtypes(arg: str) -> list[torch.dtype]:
+def dtypes(arg: str, choices: dict[str, torch.dtype] = DTYPES) -> list[torch.dtype]:
     """The dtypes of a ``--dtypes`` value; exits naming the choices on an unknown one."""
     names = [d.strip() for d in arg.split(",") if d.strip()]
-    unknown = [n for n in names if n not in DTYPES]
+    unknown = [n for n in names if n not in choices]
     if unknown or not names:
         sys.exit(f"--dtypes: unknown {', '.join(unknown) or 'empty list'}; choose among "
-                 f"{', '.join(DTYPES)}")
-    return [DTYPES[n] for n in names]
+                 f"{', '.join(choices)}")
+    return [choices[n] for n in names]
 
 
 def nvidia_gpu(script: str, against: str, tests: str) -> DeviceInfo:

@@ -1,17 +1,23 @@
 """matmul throughput on an NVIDIA GPU: our variants against cuBLAS in the same run.
 
 Rows: square problems (1024 to 8192) and LLM-shaped ones (M in {16, 128, 4096} tokens,
-N and K in {4096, 14336}), in fp16 and bf16, on fresh ``torch.randn`` inputs. Columns:
+N and K in {4096, 14336}), in fp16 and bf16 (``--dtypes`` adds ``fp8e4m3``, ``fp8e5m2``),
+on fresh ``torch.randn`` inputs. Columns:
 
-- ``cublas``: ``torch.matmul`` (cuBLAS, what PyTorch users get);
+- ``cublas``: ``torch.matmul`` (cuBLAS, what PyTorch users get); for fp8 operands, which
+  torch.matmul does not take, ``torch._scaled_mm`` with unit scales and a bf16 output
+  (cuBLASLt's fp8 GEMM), with ``b`` column-major (an (N, K) weight transposed), the layout
+  it requires; ours get the same ``b``;
 - ``cublaslt``: cuBLASLt through Triton's own binding (``triton._C.libtriton.nvidia``),
   when this Triton build has it (it computes ``a @ b_t.T``, so ``b`` is passed as (N, K));
 - ``persistent_tma``: our ``nvidia.persistent_tma`` variant, forced;
 - ``persistent_tma_nows``: the same kernel with ``WARP_SPECIALIZE=False`` (an ablation:
-  does the warp-specialized K loop pay off on this GPU and Triton?);
+  does the warp-specialized K loop pay off on this GPU and Triton?; not for fp8, whose
+  configs are never warp-specialized);
 - ``generic``: our ``generic`` variant (pointer loads, one program per tile), forced.
 
-Each of ours is checked against ``torch.matmul`` in fp32 (the library's "dot" tolerance)
+Each of ours is checked against ``torch.matmul`` in fp32 (the library's "dot" tolerance;
+for fp8 operands, twice cuBLAS's own error, see ``check_tolerance``)
 before it is timed; a wrong result is reported and not timed. Times are the median of
 ``triton.testing.do_bench`` (CUDA events; with ``--cudagraph`` replayed from a graph, which
 removes host overhead from small problems; a graph replays one call after another on the same
@@ -21,7 +27,7 @@ a model's layers stream weights that L2 does not hold; ``do_bench`` without grap
 L2 before each call itself). The first call of each problem size autotunes
 our kernels; results persist in the library's tuning cache (``PK_CACHE_DIR``).
 
-    python bench/matmul.py [--quick | --shapes MxNxK,...] [--out PREFIX] [--dtypes fp16,bf16]
+    python bench/matmul.py [--quick | --shapes MxNxK,...] [--out PREFIX] [--dtypes fp16,bf16,fp8e4m3]
                            [--cudagraph [--cold]]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (so an interrupted run keeps what
@@ -44,7 +50,7 @@ import triton
 from portable_kernels import dispatch
 from portable_kernels.kernels import matmul as matmul_module
 from portable_kernels.launch import LaunchPlan
-from portable_kernels.testing import max_error, tolerance
+from portable_kernels.testing import Tolerance, max_error, tolerance
 
 import _common  # bench/, beside this script
 
@@ -105,31 +111,74 @@ class Ours:
             self.nows = LaunchPlan(variant, tma.device, tma.configs,
                                    dict(tma.switches, WARP_SPECIALIZE=False))
         out["persistent_tma_nows"] = self.nows
-        return {name: out[name] for name in OURS}
+        if a.dtype in FP8:
+            # No fp8 config has the 4 warps Triton warp-specializes on sm_90: the ablation
+            # would time the same kernels again.
+            del out["persistent_tma_nows"]
+        return {name: out[name] for name in OURS if name in out}
 
 
 def best_config(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor) -> str:
-    """The config the plan's autotuner chose for ``a @ b`` (row-major operands). Asked by
+    """The config the plan's autotuner chose for ``a @ b``. Asked by
     problem: after its first call a problem skips the autotuner, whose ``best_config`` is
     then another problem's."""
-    tuned = plan.autotuned(matmul_module._matmul_kernel, key=[])  # the cached autotuner
-    m, k = a.shape
-    chosen = plan.chosen(tuned, (m, b.shape[1], k, False, False, a.dtype))
+    chosen = matmul_module.chosen_config(plan, a, b)
     if chosen is None:
         return ""
     return ", ".join(f"{key}: {value}" for key, value in chosen.items())
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def weight_major(dtype: torch.dtype) -> bool:
+    """Whether ``b`` is drawn column-major (as ``w.T`` of an (N, K) weight): for fp8, the
+    layout cuBLAS's fp8 GEMM requires (``torch._scaled_mm``) and models store."""
+    return dtype in FP8
+
+
 def operand_copies(m: int, n: int, k: int, dtype: torch.dtype, cold: bool) -> list[tuple]:
-    """``(a, b)`` pairs of fresh random values: one, or with ``cold`` enough that together
-    they hold three times the L2 cache (at most 64)."""
+    """``(a, b)`` pairs of fresh random values (``b`` column-major for fp8, see
+    :func:`weight_major`): one, or with ``cold`` enough that together they hold three times
+    the L2 cache (at most 64)."""
     count = 1
     if cold:
         l2 = getattr(torch.cuda.get_device_properties(DEVICE), "L2_cache_size", 50 << 20)
         pair = (m * k + k * n) * torch.finfo(dtype).bits // 8
         count = min(64, max(1, -(-3 * l2 // pair)))
-    return [(torch.randn(m, k, device=DEVICE, dtype=dtype), torch.randn(k, n, device=DEVICE, dtype=dtype))
-            for _ in range(count)]
+
+    def draw(rows, cols):  # randn has no fp8 kernel: draw in fp32, then round
+        return torch.randn(rows, cols, device=DEVICE).to(dtype)
+
+    if weight_major(dtype):
+        return [(draw(m, k), draw(n, k).t()) for _ in range(count)]
+    return [(draw(m, k), draw(k, n)) for _ in range(count)]
+
+
+def vendor_matmul(dtype: torch.dtype):
+    """The vendor library's ``a @ b`` for operands of ``dtype``: ``torch.matmul`` (cuBLAS),
+    or for fp8, which torch.matmul does not take, ``torch._scaled_mm`` with unit scales and
+    a bf16 output (cuBLASLt's fp8 GEMM; ``b`` must be column-major)."""
+    if dtype not in FP8:
+        return torch.matmul
+    one = torch.ones((), device=DEVICE, dtype=torch.float32)
+
+    def scaled_mm(a, b):
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    return scaled_mm
+
+
+def check_tolerance(dtype: torch.dtype, vendor_out: torch.Tensor | None, ref: torch.Tensor) -> Tolerance:
+    """What ours must match ``ref`` (the fp32 product) within. For fp8 operands, twice the
+    vendor's own largest error, at least the library's: sm_90's fp8 MMAs add products in
+    fewer bits than fp32 between their additions into the fp32 accumulator, so long-K
+    products are off by more than the bf16 output's rounding, cuBLAS's as much as ours."""
+    base = tolerance(dtype, "dot")
+    if dtype not in FP8 or vendor_out is None:
+        return base
+    err = float((vendor_out.float() - ref).abs().max())
+    return Tolerance(max(base.atol, 2.0 * err), base.rtol)
 
 
 def rotating(call, copies: list[tuple]):
@@ -149,7 +198,7 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
     copies = operand_copies(m, n, k, dtype, args.cold)
     a, b = copies[0]
     b_t = b.t().contiguous()
-    c = torch.empty(m, n, device=DEVICE, dtype=dtype)
+    c = torch.empty(m, n, device=DEVICE, dtype=matmul_module.out_dtype(dtype))
     ref = torch.matmul(a.float(), b.float())
     tol = tolerance(dtype, "dot")
     flops = 2.0 * m * n * k
@@ -160,8 +209,12 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
         lt(a, b_t, c)  # c = a @ b_t.T
         return c
 
-    fns = {"cublas": rotating(torch.matmul, copies)}  # checked too: the reference is fp32
-    if lt is not None and args.cudagraph:
+    fns = {"cublas": rotating(vendor_matmul(dtype), copies)}  # checked too: the reference is fp32
+    if lt is not None and dtype in FP8:
+        # Seen on the H200 (triton 3.6): "Data types do not match" for fp8 operands with a
+        # bf16 output; torch._scaled_mm (the cublas column) is cuBLASLt's fp8 GEMM anyway.
+        row["error"]["cublaslt"] = "not timed: Triton's cuBLASLt binding wants the output in the operands' dtype"
+    elif lt is not None and args.cudagraph:
         # Seen on the H200 (triton 3.6): the binding's launches are not captured (torch
         # warns "The CUDA Graph is empty"), so its replays time nothing.
         row["error"]["cublaslt"] = "not timed: Triton's cuBLASLt binding records an empty CUDA graph"
@@ -176,13 +229,16 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
     for name, plan in plans.items():
         fns[name] = rotating(functools.partial(matmul_module.launch, plan), copies)
 
-    for name, fn in fns.items():
+    for name, fn in fns.items():  # cuBLAS first: fp8 rows take their tolerance from it
         try:
             out = fn()  # also compiles and autotunes ours
             torch.cuda.synchronize()
         except Exception as exc:
             row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
+        if name == "cublas":
+            tol = check_tolerance(dtype, out, ref)
+            row["tolerance"] = str(tol)
         if name in plans:
             row["config"][name] = best_config(plans[name], a, b)
         err, ratio_ = max_error(out, ref, tol)
@@ -212,7 +268,7 @@ def _failure(error: str) -> str:
 
 def markdown(rows: list[dict], header: str) -> str:
     cols = [m for m in METHODS if any(m in r["tflops"] or m in r["error"] for r in rows)]
-    lines = [header, "", "TFLOP/s (ratio to cuBLAS = torch.matmul)", "",
+    lines = [header, "", "TFLOP/s (ratio to cuBLAS: torch.matmul; for fp8, torch._scaled_mm)", "",
              "| M | N | K | dtype | " + " | ".join(cols) + " |",
              "|---:|---:|---:|:---|" + "---:|" * len(cols)]
     for r in rows:
@@ -288,7 +344,7 @@ def main() -> None:
     if args.cold and not args.cudagraph:
         parser.error("--cold needs --cudagraph: do_bench without graphs flushes L2 before each call")
     info = _common.nvidia_gpu("bench/matmul.py", "cuBLAS, TMA", "tests/test_matmul.py")
-    dtypes = _common.dtypes(args.dtypes)
+    dtypes = _common.dtypes(args.dtypes, {**_common.DTYPES, **_common.FP8})
     lt = cublaslt_matmul()
     prefix = Path(args.out)
     header = (_common.header("matmul", info, args.cudagraph)

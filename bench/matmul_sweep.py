@@ -7,8 +7,10 @@ one-config plans over a grid of tiles, split-K factors, warps and stages, along 
 - ``ptr``: pointer loads, one program per work unit (``TMA`` and ``PERSISTENT`` off in the
   config, as the table's ``_POINTERS`` entries do);
 
-and ``torch.matmul`` (cuBLAS) replayed the same way, for scale. Every candidate is checked
-against an fp32 product (the library's "dot" tolerance) before it is timed. Compiling a few
+and the vendor's GEMM (``torch.matmul``, cuBLAS; for fp8, ``torch._scaled_mm``) replayed the
+same way, for scale. Every candidate is checked against an fp32 product (the library's
+"dot" tolerance; for fp8, twice cuBLAS's own error, see ``bench/matmul.py``) before it is
+timed. Compiling a few
 hundred kernels one after another takes minutes, so a pool of processes compiles them first,
 each config once (M, N and K here are all multiples of 16, so one binary serves every
 problem), into Triton's on-disk cache; the timing process then loads them.
@@ -45,11 +47,12 @@ import triton
 from portable_kernels import dispatch
 from portable_kernels.kernels import matmul as mm
 from portable_kernels.launch import LaunchPlan
-from portable_kernels.testing import max_error, tolerance
+from portable_kernels.testing import max_error
 
-from matmul import operand_copies, rotating  # bench/matmul.py (this script's directory is on sys.path)
+import _common
+from matmul import check_tolerance, operand_copies, rotating, vendor_matmul  # bench/, beside this script
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {**_common.DTYPES, **_common.FP8}
 DEVICE = "cuda"
 VARIANT = "nvidia.persistent_tma"
 SHAPES = "128x4096x4096,1024x1024x1024,128x14336x4096"
@@ -63,11 +66,16 @@ GRID = {
     "tma": list(itertools.product((64, 128), (64, 128, 256), (64, 128), (1, 2, 4, 8), (4, 8), (3, 4, 5, 6))),
     "ptr": list(itertools.product((32, 64, 128), (64, 128, 256), (32, 64), (1, 2, 4, 8), (4, 8), (3, 4, 5, 6))),
 }
+# fp8: the same bytes per K step take twice the K depth.
+GRID_FP8 = {
+    "tma": list(itertools.product((64, 128), (64, 128, 256), (128, 256), (1, 2, 4), (4, 8), (3, 4, 5))),
+    "ptr": list(itertools.product((64, 128), (64, 128, 256), (64, 128), (1, 2, 4), (4, 8), (3, 4, 5))),
+}
 QUICK = {"tma": [(64, 128, 64, 2, 8, 4), (128, 128, 64, 4, 8, 4)],
          "ptr": [(64, 128, 32, 1, 4, 4), (128, 128, 32, 4, 8, 4)]}
 
 
-def fits(path: str, tile, shape, num_sms: int) -> bool:
+def fits(path: str, tile, shape, num_sms: int, itemsize: int = 2) -> bool:
     """Leave out what cannot compile or cannot pay: accumulators past 128 fp32 registers a
     thread, stages past shared memory, 4-warp descriptor tiles larger than 64 x 128 (the
     warp-specialized loop fails to compile there, see tuning.py), split-K with more than
@@ -77,7 +85,7 @@ def fits(path: str, tile, shape, num_sms: int) -> bool:
     m, n, k = shape
     if bm * bn / (warps * 32) > 128:
         return False
-    if stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > SHARED_BYTES:
+    if stages * (bm * bk + bk * bn) * itemsize + bm * bn * 2 > SHARED_BYTES:
         return False
     if path == "tma" and warps == 4 and bm * bn > 64 * 128:
         return False
@@ -119,10 +127,14 @@ def plan_for(base: LaunchPlan, path: str, tile) -> LaunchPlan:
 
 
 def operands(shape, dtype, seed=0):
+    """Random ``(a, b)``, laid out as ``bench/matmul.py`` lays them out (``b`` column-major
+    for fp8), so that the compiled kernels are the ones the timing process launches."""
     m, n, k = shape
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    return (torch.randn(m, k, device=DEVICE, generator=gen).to(dtype),
-            torch.randn(k, n, device=DEVICE, generator=gen).to(dtype))
+    a = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
+    if dtype in _common.FP8.values():
+        return a, torch.randn(n, k, device=DEVICE, generator=gen).to(dtype).t()
+    return a, torch.randn(k, n, device=DEVICE, generator=gen).to(dtype)
 
 
 def compile_one(job) -> str:
@@ -155,8 +167,9 @@ def main() -> None:
         sys.exit("bench/matmul_sweep.py times kernels on an NVIDIA GPU; none here")
     dtype = DTYPES[args.dtype]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count or NUM_SMS_FALLBACK
-    grid = QUICK if args.quick else GRID
-    cands = {shape: [(p, t) for p in paths for t in grid[p] if fits(p, t, shape, num_sms)]
+    itemsize = torch.finfo(dtype).bits // 8
+    grid = QUICK if args.quick else GRID_FP8 if itemsize == 1 else GRID
+    cands = {shape: [(p, t) for p in paths for t in grid[p] if fits(p, t, shape, num_sms, itemsize)]
              for shape in shapes}
 
     # Compile each (path, tile) once, at the first problem that takes it.
@@ -176,14 +189,14 @@ def main() -> None:
           f"{time.time() - start:.0f} s", flush=True)
 
     results = []
-    tol = tolerance(dtype, "dot")
     for shape in shapes:
         m, n, k = shape
         copies = operand_copies(m, n, k, dtype, args.cold)
         a, b = copies[0]
         ref = torch.matmul(a.float(), b.float())
+        tol = check_tolerance(dtype, vendor_matmul(dtype)(a, b), ref)
         flops = 2.0 * m * n * k
-        cublas = triton.testing.do_bench_cudagraph(rotating(torch.matmul, copies), return_mode="median")
+        cublas = triton.testing.do_bench_cudagraph(rotating(vendor_matmul(dtype), copies), return_mode="median")
         table_plan = base_plan(a, b)  # the current table, autotuned as dispatch does
         mm.launch(table_plan, a, b)
         table_ms = triton.testing.do_bench_cudagraph(rotating(functools.partial(mm.launch, table_plan), copies),
@@ -228,9 +241,7 @@ def main() -> None:
 
 def mm_choice(plan: LaunchPlan, a, b) -> str:
     """The config the plan's autotuner chose for ``a @ b``."""
-    kernel, _ = mm._tuned_kernel(plan)
-    m, k = a.shape
-    chosen = plan.chosen(kernel, (m, b.shape[1], k, False, False, a.dtype))
+    chosen = mm.chosen_config(plan, a, b)
     return "" if chosen is None else ", ".join(f"{key}: {v}" for key, v in chosen.items())
 
 
