@@ -133,6 +133,20 @@ def test_operand_configs():
     assert [c.kwargs for c in matmul_module.operand_configs(only_fp8, 2)] == [{"BLOCK_SIZE_K": 128}]
 
 
+def test_operand_sizes_with_configs_of_their_own_get_their_own_autotuner():
+    """fp8 (marked configs) tunes apart; fp16 and fp32 share the unmarked configs' tuner."""
+    h200 = pk.plugins.host().emulation_profile("h200")
+    variant = pk.plugins.host().registry.variants["matmul"]["generic"]
+    tile = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "GROUP_SIZE_M": 4}
+    configs = [triton.Config({**tile, "BLOCK_SIZE_K": 32}, num_warps=4),
+               triton.Config({**tile, "BLOCK_SIZE_K": 64, "OPERAND_BYTES": 1}, num_warps=4)]
+    plan = pk.LaunchPlan(variant, h200, configs, dict(variant.switches))
+    fp16, fp32, fp8 = (matmul_module._tuned_kernel(plan, size).kernel for size in (2, 4, 1))
+    assert fp16 is fp32 and fp8 is not fp16
+    assert [c.kwargs["BLOCK_SIZE_K"] for c in fp8.configs] == [64]
+    assert all("OPERAND_BYTES" not in c.kwargs for c in fp8.configs + fp16.configs)
+
+
 def test_empty_dimensions(device):
     mm = pk.get_kernel("matmul")
     assert mm(torch.ones(0, 4, device=device), torch.ones(4, 5, device=device)).shape == (0, 5)

@@ -26,9 +26,10 @@ Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``,
 ``EPILOGUE_SUBTILE`` (TMA path: store the tile in two halves), ``SPLIT_K`` and
 ``FP8_PROMOTE`` (fp8 MMAs: products per addition into the fp32 accumulator, default 128,
 see ``_tiles.dot_acc``), ``num_warps``, ``num_stages``; autotuned per (M, N, K). A table
-may mark configs ``OPERAND_BYTES: 1`` to keep them for fp8 operands (``operand_configs``). A config of a descriptor variant may also set
-``TMA`` and ``PERSISTENT`` (:data:`CONFIG_SWITCHES`), overriding the variant's switches for
-the problems it is picked for: on sm_90 the pointer-load kernel, one program per tile, runs
+may mark configs ``OPERAND_BYTES: 1`` to keep them for fp8 operands (``operand_configs``).
+A config of a descriptor variant may also set ``TMA`` and ``PERSISTENT``
+(:data:`CONFIG_SWITCHES`), overriding the variant's switches for the problems it is picked
+for: on sm_90 the pointer-load kernel, one program per tile, runs
 small problems faster than the persistent descriptor one (which builds its descriptors in
 every program), so the Hopper table offers both and the autotuner chooses per problem.
 
@@ -394,10 +395,12 @@ def _tuned_kernel(plan, itemsize: int) -> _Tuned:
                 c.kwargs = {**defaults, **c.kwargs}
             switches = {k: v for k, v in switches.items() if k not in CONFIG_SWITCHES}
         num_sms = plan.device.num_sms
-        # 2-byte operands keep the unnamed autotuner (and its persisted results).
+        # Operand sizes without configs of their own share one autotuner (its key holds the
+        # dtype), and its persisted results.
+        own = any(c.kwargs.get("OPERAND_BYTES") == itemsize for c in plan.configs)
         kernel = plan.autotuned(_matmul_kernel, key=["M", "N", "K", "A_T", "B_T"], configs=configs,
                                 prune_configs_by={"early_config_prune": functools.partial(_prune, num_sms=num_sms)},
-                                name="" if itemsize == 2 else f"{itemsize}-byte operands")
+                                name=f"{itemsize}-byte operands" if own else "")
         return _Tuned(kernel, switches, configs)
 
     return plan.cached((NAME, "tuned kernel", itemsize), build)
