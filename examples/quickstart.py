@@ -22,22 +22,30 @@ def main() -> None:
     q = torch.randn(1, 4, 100, 64, device=device, dtype=torch.float16)
     kv = torch.randn(1, 2, 130, 64, device=device, dtype=torch.float16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    # (arguments, torch's answer in float32, allowed max |error|)
+    # label: (kernel, arguments, torch's answer in float32, allowed max |error|)
     cases = {
-        "vector_add": ((x, y), x + y, 1e-5),
-        "softmax": ((x,), torch.softmax(x, -1), 1e-5),
-        "layer_norm": ((x, w, b), torch.nn.functional.layer_norm(x, (1000,), w, b), 1e-3),
-        "matmul": ((a16, b16), a16.float() @ b16.float(), 5e-2),
-        "flash_attn": ((q, kv, kv), sdpa(q.float(), kv.float().repeat_interleave(2, 1),
-                                         kv.float().repeat_interleave(2, 1)), 1e-2),
+        "vector_add": ("vector_add", (x, y), x + y, 1e-5),
+        "softmax": ("softmax", (x,), torch.softmax(x, -1), 1e-5),
+        "layer_norm": ("layer_norm", (x, w, b), torch.nn.functional.layer_norm(x, (1000,), w, b), 1e-3),
+        "matmul": ("matmul", (a16, b16), a16.float() @ b16.float(), 5e-2),
+        "flash_attn": ("flash_attn", (q, kv, kv), sdpa(q.float(), kv.float().repeat_interleave(2, 1),
+                                                       kv.float().repeat_interleave(2, 1)), 1e-2),
     }
-    for name, (args, expected, allowed) in cases.items():
+    if info.has("fp8"):
+        # fp8 operands give a bf16 output; pass an (N, K) weight as w.t(), the layout fp8
+        # tensor cores read directly. bf16 keeps 8 significant bits: allow two steps of
+        # the largest value.
+        a8 = torch.randn(100, 256, device=device).to(torch.float8_e4m3fn)
+        w8 = torch.randn(72, 256, device=device).to(torch.float8_e4m3fn)
+        ref8 = a8.float() @ w8.float().t()
+        cases["matmul fp8"] = ("matmul", (a8, w8.t()), ref8, 2 ** -6 * ref8.abs().max().item())
+    for label, (name, args, expected, allowed) in cases.items():
         out = pk.get_kernel(name)(*args)
         err = (out.float() - expected).abs().max().item()
         sel = pk.explain(name, *args)
-        print(f"{name:12s} {sel.variant:22s} max |error| vs torch {err:.2e}")
+        print(f"{label:12s} {sel.variant:22s} max |error| vs torch {err:.2e}")
         if not err <= allowed:
-            raise SystemExit(f"{name}: error {err} exceeds {allowed}")
+            raise SystemExit(f"{label}: error {err} exceeds {allowed}")
 
 
 if __name__ == "__main__":
