@@ -48,7 +48,7 @@ import torch
 import triton
 
 from portable_kernels import dispatch
-from portable_kernels.kernels import matmul as matmul_module
+from portable_kernels.kernels import _host, matmul as matmul_module
 from portable_kernels.launch import LaunchPlan
 from portable_kernels.testing import Tolerance, max_error, tolerance
 
@@ -128,7 +128,7 @@ def best_config(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor) -> str:
     return ", ".join(f"{key}: {value}" for key, value in chosen.items())
 
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8 = _host.FP8_DTYPES
 
 
 def weight_major(dtype: torch.dtype) -> bool:

@@ -50,7 +50,7 @@ from portable_kernels.launch import LaunchPlan
 from portable_kernels.testing import max_error
 
 import _common
-from matmul import check_tolerance, operand_copies, rotating, vendor_matmul  # bench/, beside this script
+from matmul import check_tolerance, operand_copies, rotating, vendor_matmul, weight_major  # bench/
 
 DTYPES = {**_common.DTYPES, **_common.FP8}
 DEVICE = "cuda"
@@ -132,7 +132,7 @@ def operands(shape, dtype, seed=0):
     m, n, k = shape
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     a = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
-    if dtype in _common.FP8.values():
+    if weight_major(dtype):
         return a, torch.randn(n, k, device=DEVICE, generator=gen).to(dtype).t()
     return a, torch.randn(k, n, device=DEVICE, generator=gen).to(dtype)
 

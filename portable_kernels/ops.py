@@ -307,7 +307,9 @@ def _matmul_setup(ctx, inputs, output):
 def _matmul_backward(ctx, grad):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad
-    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    from .kernels._host import FP8_DTYPES
+
+    if a.dtype in FP8_DTYPES:
         # The gradients would mix a bf16 grad with fp8 operands, which matmul does not take;
         # fp8 weights are quantized copies, trained (if at all) through their bf16 masters.
         raise InputError(f"matmul: no gradient for {str(a.dtype).replace('torch.', '')} "
