@@ -212,11 +212,18 @@ def grouped_matmul_cases(host, device, quick: bool):
         if quick:
             plan_list = plan_list[:1]
         for plan in plan_list:
-            name = (f"grouped_matmul/{variant} "
-                    f"{_label(plan.configs[0], ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} float16")
-            la = [torch.empty(m, 256, dtype=torch.float16) for m in (64, 128, 256)]
-            lb = [torch.empty(256, 128, dtype=torch.float16) for _ in la]
-            yield name, (lambda plan=plan, la=la, lb=lb: gmm.launch(plan, la, lb))
+            # b row-major, and column-major (w.t() of (N, K) weights: descriptors of the
+            # transposes, or vectorized loads along K).
+            for layout in ("row", "col"):
+                name = (f"grouped_matmul/{variant} "
+                        f"{_label(plan.configs[0], ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} "
+                        f"float16" + (" b col-major" if layout == "col" else ""))
+                la = [torch.empty(m, 256, dtype=torch.float16) for m in (64, 128, 256)]
+                if layout == "col":
+                    lb = [torch.empty(128, 256, dtype=torch.float16).t() for _ in la]
+                else:
+                    lb = [torch.empty(256, 128, dtype=torch.float16) for _ in la]
+                yield name, (lambda plan=plan, la=la, lb=lb: gmm.launch(plan, la, lb))
 
 
 FAMILIES = {"flash_attn": flash_attn_cases, "matmul": matmul_cases,

@@ -1,11 +1,15 @@
 """grouped_matmul against a float64 reference: groups of different sizes with tails, strided
-operands, empty groups, every dtype, the descriptor variant forced, selection and errors."""
+operands, empty groups, every dtype, the descriptor variant forced, selection and errors;
+on a CUDA GPU, calls that do not wait for the GPU and that a CUDA graph captures."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 import portable_kernels as pk
+from conftest import ON_CPU
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import grouped_matmul as grouped_module
 from portable_kernels.testing import assert_close, tolerance
@@ -107,6 +111,56 @@ def test_tma_variant(device, gen, nan_empty, dtype):
         _check(pk.get_kernel("grouped_matmul")(list_a, list_b), list_a, list_b)
 
 
+def _weights_t(gen, shapes, dtype, device):
+    """``w.t()`` of (N, K) weights: column-major (K, N) operands."""
+    return [torch.randn(n, k, generator=gen).to(device, dtype).t() for _, n, k in shapes]
+
+
+@pytest.mark.parametrize("variant", ["generic", TMA])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_column_major_weights(device, gen, nan_empty, variant, dtype):
+    """b as ``w.t()`` in every group, how models store weights: aligned (vectorized pointer
+    loads, descriptors of the transposes) and the right products."""
+    list_a, _ = _operands(gen, ALIGNED_SHAPES, dtype, device)
+    list_b = _weights_t(gen, ALIGNED_SHAPES, dtype, device)
+    assert grouped_module.problem(list_a, list_b).b_layout == "col"
+    with pk.use_variant(grouped_matmul=variant):
+        _check(pk.get_kernel("grouped_matmul")(list_a, list_b), list_a, list_b)
+
+
+@pytest.mark.parametrize("variant", ["generic", TMA])
+@pytest.mark.parametrize("weights", ["row", "col"])
+def test_mixture_of_experts_layer(device, gen, nan_empty, variant, weights):
+    """Tokens split among experts (views of one (T, K) tensor, one expert without tokens)
+    and their stacked weights (views of one (G, K, N) tensor, or of a (G, N, K) one
+    transposed), as a mixture-of-experts layer passes them."""
+    counts, n, k = [5, 0, 17, 64, 3], 48, 40
+    tokens = torch.randn(sum(counts), k, generator=gen).to(device, torch.float16)
+    if weights == "col":
+        stacked = torch.randn(len(counts), n, k, generator=gen).to(device, torch.float16).transpose(1, 2)
+    else:
+        stacked = torch.randn(len(counts), k, n, generator=gen).to(device, torch.float16)
+    list_a, list_b = list(torch.split(tokens, counts)), list(stacked.unbind(0))
+    assert grouped_module.problem(list_a, list_b).b_layout == weights
+    with pk.use_variant(grouped_matmul=variant):
+        outs = pk.get_kernel("grouped_matmul")(list_a, list_b)
+    _check(outs, list_a, list_b)
+
+
+def test_mixed_weight_layouts(device, gen, nan_empty):
+    """Row-major b in some groups and column-major in others: no common layout, so the
+    pointer path without alignment hints, and descriptors refuse it, saying why."""
+    list_a, list_b = _operands(gen, ALIGNED_SHAPES, torch.float16, device)
+    list_b[1:3] = _weights_t(gen, ALIGNED_SHAPES[1:3], torch.float16, device)
+    assert grouped_module.problem(list_a, list_b).b_layout == ""
+    _check(pk.get_kernel("grouped_matmul")(list_a, list_b), list_a, list_b)
+    with pk.emulate("h100"):
+        sel = pk.explain("grouped_matmul", list_a, list_b)
+    assert sel.variant == "generic"
+    assert "neither row- nor column-major as in the other groups" in next(
+        v for v in sel.verdicts if v.name == TMA).reason
+
+
 def test_tma_variant_rejects_unaligned_groups(device, gen):
     gm = pk.get_kernel("grouped_matmul")
     list_a, list_b = _operands(gen, ALIGNED_SHAPES[:2], torch.float16, device)
@@ -132,3 +186,62 @@ def test_selection(device):
         assert "16-byte aligned" in next(v for v in sel.verdicts if v.name == TMA).reason
     with pk.emulate("a100"):
         assert pk.explain("grouped_matmul", half, half).variant == "generic"
+
+
+# --- the table's copy to the GPU: no host wait, capturable ---------------------------------
+
+NEEDS_CUDA = pytest.mark.skipif(ON_CPU or torch.version.cuda is None,
+                                reason="stream order and graph capture need a CUDA GPU")
+
+
+def _needs_variant(variant: str) -> None:
+    if variant == TMA and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the descriptor variant needs sm_90 or newer")
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("variant", ["generic", TMA])
+def test_call_does_not_wait_for_the_gpu(device, gen, variant):
+    """The host returns while earlier work still runs: the table goes up from pinned
+    memory, where a pageable copy makes PyTorch wait for the whole stream."""
+    _needs_variant(variant)
+    list_a, list_b = _operands(gen, ALIGNED_SHAPES, torch.float16, device)
+    with pk.use_variant(grouped_matmul=variant):
+        gm = pk.get_kernel("grouped_matmul")
+        gm(list_a, list_b)  # compiles and tunes
+        torch.cuda.synchronize()
+        busy = time.perf_counter()
+        torch.cuda._sleep(1 << 30)  # ~0.5 s of a spinning kernel ahead of ours
+        queued = time.perf_counter() - busy
+        start = time.perf_counter()
+        outs = gm(list_a, list_b)
+        took = time.perf_counter() - start
+        pending = not torch.cuda.current_stream(device).query()
+        torch.cuda.synchronize()
+        slept = time.perf_counter() - busy
+    assert pending and slept > 0.1 + queued, f"the sleep kernel ran {slept:.3f} s only"
+    assert took < slept / 4, f"the call took {took:.3f} s behind a {slept:.3f} s kernel: it waited"
+    _check(outs, list_a, list_b)
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("variant", ["generic", TMA])
+def test_cuda_graph_capture_and_replay(device, gen, variant):
+    _needs_variant(variant)
+    list_a, list_b = _operands(gen, ALIGNED_SHAPES, torch.float16, device)
+    with pk.use_variant(grouped_matmul=variant):
+        gm = pk.get_kernel("grouped_matmul")
+        gm(list_a, list_b)  # compiles and tunes outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = gm(list_a, list_b)
+    # New values in the captured operands: the replay must compute with them.
+    fresh_a, fresh_b = _operands(gen, ALIGNED_SHAPES, torch.float16, device)
+    for dst, src in zip(list_a + list_b, fresh_a + fresh_b):
+        dst.copy_(src)
+    for out in outs:
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(outs, fresh_a, fresh_b)

@@ -9,7 +9,8 @@ from portable_kernels.conformance.harness import Inputs, KernelSuite, Shape, ran
 def make_inputs(shape, dtype, device, gen) -> Inputs:
     layout = shape.get("layout", "contiguous")
     list_a = [randn((m, k), dtype, device, gen, layout=layout) for m, _, k in shape["groups"]]
-    list_b = [randn((k, n), dtype, device, gen) for _, n, k in shape["groups"]]
+    b_layout = shape.get("b_layout", "contiguous")
+    list_b = [randn((k, n), dtype, device, gen, layout=b_layout) for _, n, k in shape["groups"]]
     return Inputs((list_a, list_b))
 
 
@@ -27,6 +28,9 @@ SUITE = KernelSuite(
         Shape("growing12", groups=[(1 + 7 * g, 8 + 5 * g, 3 + 4 * g) for g in range(12)]),  # MoE-like
         Shape("empty_groups", groups=[(0, 5, 4), (3, 0, 4), (3, 5, 0), (7, 9, 11)]),       # empty M, N, K
         Shape("transposed3", groups=[(40, 24, 32), (9, 16, 24), (33, 8, 16)], layout="transposed"),
+        # Weights as nn.Linear stores them: every b is w.t() of an (N, K) weight.
+        Shape("weights_t5", groups=[(67, 48, 40), (1, 64, 8), (130, 72, 200), (300, 24, 16), (16, 16, 16)],
+              b_layout="transposed", quick=True),
     ),
 )
 

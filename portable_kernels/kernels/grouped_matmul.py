@@ -15,12 +15,16 @@ Constexpr switches:
     TMA: each group's operands and output through tensor descriptors built on the device
         (``tl.make_tensor_descriptor``; their 128-byte descriptors live in scratch memory from
         the allocator the launcher installs around the launch). Only for problems whose
-        every group is row-major with 16-byte aligned rows.
-    ALIGNED (set per call, pointer path): every group is row-major with 16-byte aligned
-        rows. The compiler cannot see through the table, so without this it must assume
-        any stride and load element by element; with it, the kernel fixes the inner strides
-        to 1 and states the alignment of the rest (``tl.multiple_of``), which lets loads be
-        vectorized.
+        every group is aligned (below).
+    ALIGNED (set per call, pointer path): every group's ``a`` and output are row-major and
+        its ``b`` is row-major (or with ``B_T`` column-major) in every group, all with
+        16-byte aligned bases and rows. The compiler cannot see through the table, so
+        without this it must assume any stride and load element by element; with it, the
+        kernel fixes the unit strides and states the alignment of the rest
+        (``tl.multiple_of``), which lets loads be vectorized.
+    B_T (set per call): every ``b`` is column-major, as ``w.t()`` of an (N, K) weight (how
+        ``nn.Linear`` and most mixture-of-experts layers store theirs); descriptors then
+        describe each ``b`` through its transpose.
     UPCAST: fp32 dots (the interpreter's bf16 arithmetic is wrong).
 
 Configs: ``BLOCK_SIZE_M``, ``BLOCK_SIZE_N``, ``BLOCK_SIZE_K``, ``GROUP_SIZE_M``, optionally
@@ -29,6 +33,7 @@ groups and the largest group's sizes rounded up to powers of two.
 """
 from __future__ import annotations
 
+import array
 import contextlib
 from typing import NamedTuple, Sequence
 
@@ -67,6 +72,7 @@ def _grouped_matmul_kernel(
     VEC: tl.constexpr = 8,              # elements per 16 bytes (ALIGNED hints)
     TMA: tl.constexpr = False,
     ALIGNED: tl.constexpr = False,
+    B_T: tl.constexpr = False,
     UPCAST: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -98,8 +104,8 @@ def _grouped_matmul_kernel(
             # --- descriptors, built only by programs with tiles in this group ---
             if start < end_tile:
                 a_desc, b_desc, c_desc = _tiles.gemm_descriptors(
-                    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, 1, stride_bk, 1, stride_cm,
-                    BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, False, False, EPILOGUE_SUBTILE)
+                    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, 1, stride_bk, stride_bn, stride_cm,
+                    BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, False, B_T, EPILOGUE_SUBTILE)
                 for tile_id in tl.range(start, end_tile, num_programs):
                     pid_m, pid_n = _tiles.grouped_tile(tile_id - first_tile, num_pid_m, num_pid_n,
                                                        GROUP_SIZE_M)
@@ -108,23 +114,27 @@ def _grouped_matmul_kernel(
                     acc = _tiles.desc_mainloop(a_desc, b_desc, off_m, off_n,
                                                0, tl.cdiv(K, BLOCK_SIZE_K),
                                                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
-                                               False, False, UPCAST, False)
+                                               False, B_T, UPCAST, False)
                     _tiles.desc_store(c_desc, acc, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N,
                                       EPILOGUE_SUBTILE)
         else:
             if ALIGNED:
-                # Row-major with 16-byte aligned bases and rows (the host checked every group),
-                # so N, the output's row length, is a whole number of 16-byte vectors too.
+                # 16-byte aligned bases and rows (the host checked every group), so N, the
+                # output's row length, is a whole number of 16-byte vectors too.
                 N = tl.multiple_of(N, VEC)
                 a_ptr = tl.multiple_of(a_ptr, 16)
                 b_ptr = tl.multiple_of(b_ptr, 16)
                 c_ptr = tl.multiple_of(c_ptr, 16)
                 stride_am = tl.multiple_of(stride_am, VEC)
-                stride_bk = tl.multiple_of(stride_bk, VEC)
                 stride_cm = tl.multiple_of(stride_cm, VEC)
                 stride_ak = 1
-                stride_bn = 1
                 stride_cn = 1
+                if B_T:
+                    stride_bn = tl.multiple_of(stride_bn, VEC)
+                    stride_bk = 1
+                else:
+                    stride_bk = tl.multiple_of(stride_bk, VEC)
+                    stride_bn = 1
             for tile_id in tl.range(start, end_tile, num_programs):
                 pid_m, pid_n = _tiles.grouped_tile(tile_id - first_tile, num_pid_m, num_pid_n,
                                                    GROUP_SIZE_M)
@@ -143,7 +153,7 @@ def _grouped_matmul_kernel(
 class Problem(NamedTuple):
     device: torch.device
     dtype: torch.dtype
-    aligned: bool   # every a, b and output row-major with 16-byte aligned base and rows
+    b_layout: str   # "row" or "col" when every group is aligned with b so (see _layout), else ""
 
 
 def _check_lists(list_a, list_b) -> None:
@@ -158,35 +168,41 @@ def _check_lists(list_a, list_b) -> None:
             f"{NAME}: list_a has {len(list_a)} matrices but list_b has {len(list_b)}")
 
 
-def _aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (_host.tma_layout(a) == "row" and _host.tma_layout(b) == "row"
-            and (b.shape[1] * b.element_size()) % 16 == 0)
+def _layout(pa: int, sam: int, sak: int, pb: int, sbk: int, sbn: int,
+            n: int, k: int, size: int) -> str:
+    """``b``'s layout, ``"row"`` or ``"col"``, when ``a`` (at address ``pa``, strides
+    ``sam, sak``) is row-major, both have 16-byte aligned bases and rows, and so has the
+    output (``n`` elements a row); else ``""``. The rule of :func:`_host.tma_layout`, on
+    numbers each call reads once per group anyway (every call runs it for every group)."""
+    if pa % 16 or pb % 16 or sak != 1 or sam < k or (sam * size) % 16 or (n * size) % 16:
+        return ""
+    if sbn == 1 and sbk >= n and (sbk * size) % 16 == 0:
+        return "row"
+    if sbk == 1 and sbn >= k and (sbn * size) % 16 == 0:
+        return "col"
+    return ""
 
 
-def problem(list_a, list_b) -> Problem:
-    """Selection key of a ``grouped_matmul(list_a, list_b)`` call."""
+def _check(list_a, list_b) -> tuple[torch.dtype, torch.device]:
+    """The groups' one dtype and device, after checking every group: one dtype and device,
+    2-D operands with matching inner sizes. A tight loop for the usual case (it runs on
+    every call, for every group); the detailed checks, which name the first problem, only
+    when it fails."""
     _check_lists(list_a, list_b)
+    try:
+        dtype, device = list_a[0].dtype, list_a[0].device
+        if dtype in _TL_DTYPES and all(
+                a.dtype is dtype and b.dtype is dtype and a.device == device
+                and b.device == device and a.dim() == 2 and b.dim() == 2
+                and a.shape[1] == b.shape[0] for a, b in zip(list_a, list_b)):
+            return dtype, device
+    except AttributeError:  # not a tensor: named below
+        pass
     tensors = {}
     for g, (a, b) in enumerate(zip(list_a, list_b)):
         tensors[f"list_a[{g}]"] = a
         tensors[f"list_b[{g}]"] = b
     device = _host.same_device(NAME, **tensors)
-    aligned = all(_aligned(a, b) for a, b in zip(list_a, list_b))
-    return Problem(device, list_a[0].dtype, aligned)
-
-
-def tma_accepts(problem: Problem, device) -> str | None:
-    """Predicate of the descriptor variant: 16-bit, row-major, 16-byte aligned groups."""
-    if problem.dtype not in TMA_DTYPES:
-        return (f"{_host._dtype_name(problem.dtype)} operands stay on pointer loads (the TMA "
-                "path takes float16 and bfloat16)")
-    if not problem.aligned:
-        return ("some group is not row-major with 16-byte aligned base and rows (a, b and the "
-                "output), which device-side tensor descriptors need")
-    return _host.dtype_supported(problem, device)
-
-
-def _check(list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> torch.dtype:
     dtype = list_a[0].dtype
     for g, (a, b) in enumerate(zip(list_a, list_b)):
         where = f"{NAME} group {g}"
@@ -203,7 +219,66 @@ def _check(list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> to
             raise _host.InputError(
                 f"{where}: inner dimensions differ: a {tuple(a.shape)} @ b {tuple(b.shape)} "
                 "needs a.shape[1] == b.shape[0]")
-    return dtype
+    return dtype, device
+
+
+def _common_layout(layouts) -> str:
+    """The groups' one layout, or ``""`` when they differ or one is unaligned."""
+    first = next(iter(layouts), "")
+    return first if all(layout == first for layout in layouts) else ""
+
+
+def problem(list_a, list_b) -> Problem:
+    """Selection key of a ``grouped_matmul(list_a, list_b)`` call."""
+    dtype, device = _check(list_a, list_b)
+    size = list_a[0].element_size()
+    layout = _common_layout({
+        _layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), b.shape[1], a.shape[1], size)
+        for a, b in zip(list_a, list_b)})
+    return Problem(device, dtype, layout)
+
+
+def tma_accepts(problem: Problem, device) -> str | None:
+    """Predicate of the descriptor variant: 16-bit, aligned groups (row-major ``a``,
+    ``b`` row-major in every group or column-major in every group)."""
+    if problem.dtype not in TMA_DTYPES:
+        return (f"{_host._dtype_name(problem.dtype)} operands stay on pointer loads (the TMA "
+                "path takes float16 and bfloat16)")
+    if not problem.b_layout:
+        return ("some group's a is not row-major, or its b is neither row- nor column-major "
+                "as in the other groups, with 16-byte aligned base and rows (a, b and the "
+                "output), which device-side tensor descriptors need")
+    return _host.dtype_supported(problem, device)
+
+
+#: Pinned sources and device tables of the table copies captured into CUDA graphs: a graph
+#: replays the copy from the same host memory into the same device memory, so both must
+#: outlive it; a graph does not say when it is dropped, so they are kept for the process
+#: (one int64 row of 12 per group each).
+_captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
+    """The int64 table of ``values`` (G rows of ``_ROW``, flattened) on ``device``,
+    copied without waiting.
+
+    A plain ``.to(device)`` copies from pageable host memory, for which PyTorch waits for
+    the whole stream to finish: every call would stall the host until the GPU ran dry (no
+    overlap of the next layer's launches with this one's kernels), and a CUDA graph cannot
+    capture a stream synchronization. From pinned memory the copy is asynchronous and
+    ordered on the stream before the kernel; PyTorch's pinned-memory cache does not reuse
+    the buffer until the copy has run. Devices without pinned memory (the CPU
+    interpreter's, other accelerators) take the plain copy."""
+    # Through an int64 array: a third of torch.tensor's time on a list of Python ints.
+    packed = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    if device.type != "cuda":
+        return packed.to(device)
+    host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True).copy_(packed)
+    table = torch.empty(host.shape, dtype=torch.int64, device=device)
+    table.copy_(host, non_blocking=True)
+    if torch.cuda.is_current_stream_capturing():
+        _captured.append((host, table))
+    return table
 
 
 def _prune(configs: list, nargs: dict, **kwargs) -> list:
@@ -214,42 +289,63 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
     """``[a @ b for a, b in zip(list_a, list_b)]`` in one launch. Each ``a`` is (M_g, K_g),
     each ``b`` (K_g, N_g), any strides, all of one float dtype (fp16, bf16, fp32) and
     device; fp32 accumulation. Returns new contiguous (M_g, N_g) tensors of that dtype."""
+    # One pass over the groups: host time per call grows with their number (about 10 us
+    # a group on the H200's host, 2026-11-30), most of it in Python per group.
     _check_lists(list_a, list_b)
-    dtype = _check(list_a, list_b)
-    device = list_a[0].device
-    outs = [torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=device)
-            for a, b in zip(list_a, list_b)]
-    rows, shapes = [], []
-    aligned = True
-    for a, b, c in zip(list_a, list_b, outs):
+    a0 = list_a[0]
+    dtype, device, size = getattr(a0, "dtype", None), getattr(a0, "device", None), 0
+    if dtype in _TL_DTYPES:
+        size = a0.element_size()
+    outs, rows, layouts = [], [], set()
+    tiles_of, m_max, n_max, k_max = [], 0, 0, 0  # (M, N) per launched group; the largest
+    for a, b in zip(list_a, list_b):
+        try:
+            ok = (size and a.dtype is dtype and b.dtype is dtype and a.device == device
+                  and b.device == device and a.dim() == 2 and b.dim() == 2
+                  and a.shape[1] == b.shape[0])
+        except AttributeError:  # not a tensor
+            ok = False
+        if not ok:
+            _check(list_a, list_b)  # raises, naming the group
         (M, K), N = a.shape, b.shape[1]
+        c = torch.empty((M, N), dtype=dtype, device=device)
+        outs.append(c)
         if M == 0 or N == 0:
             continue
         if K == 0:
             c.zero_()
             continue
-        rows.append([a.data_ptr(), b.data_ptr(), c.data_ptr(), M, N, K,
-                     *a.stride(), *b.stride(), *c.stride()])
-        shapes.append((M, N, K))
-        aligned = aligned and _aligned(a, b)
+        pa, pb = a.data_ptr(), b.data_ptr()
+        sam, sak = a.stride()
+        sbk, sbn = b.stride()
+        rows += (pa, pb, c.data_ptr(), M, N, K, sam, sak, sbk, sbn, N, 1)
+        tiles_of.append((M, N))
+        if M > m_max:
+            m_max = M
+        if N > n_max:
+            n_max = N
+        if K > k_max:
+            k_max = K
+        layouts.add(_layout(pa, sam, sak, pb, sbk, sbn, N, K, size))
     if not rows:
         return outs
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    table = _device_table(rows, device)
     num_sms = plan.device.num_sms
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
-        tiles = sum(_host.cdiv(m, bm) * _host.cdiv(n, bn) for m, n, _ in shapes)
+        tiles = sum(-(-m // bm) * -(-n // bn) for m, n in tiles_of)
         return (min(tiles, num_sms),)
 
-    keys = [_host.next_power_of_2(max(s[i] for s in shapes)) for i in range(3)]
-    kernel = plan.autotuned(_grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY"],
+    keys = [_host.next_power_of_2(x) for x in (m_max, n_max, k_max)]
+    layout = _common_layout(layouts)
+    kernel = plan.autotuned(_grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY", "B_T"],
                             prune_configs_by={"early_config_prune": _prune})
     with _host.scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():
         kernel[grid](
-            table, len(rows), *keys,
-            DTYPE=_TL_DTYPES[dtype], VEC=16 // list_a[0].element_size(), ALIGNED=aligned,
-            **plan.switches,
+            table, len(tiles_of), *keys,
+            DTYPE=_TL_DTYPES[dtype], VEC=16 // size, ALIGNED=bool(layout),
+            B_T=layout == "col", **plan.switches,
         )
     return outs
 
