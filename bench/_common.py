@@ -1,6 +1,7 @@
-"""What the vendor-comparison benchmarks (``matmul.py``, ``flash_attn.py``) share: their
-common options, the check that they time compiled kernels on an NVIDIA GPU, the header
-and metadata that name the machine and versions in every result file, and their plots."""
+"""What the vendor-comparison benchmarks (``matmul.py``, ``flash_attn.py``,
+``grouped_matmul.py``) share: their common options, the check that they time compiled
+kernels on an NVIDIA GPU, the header and metadata that name the machine and versions in
+every result file, and their plots."""
 from __future__ import annotations
 
 import argparse

@@ -1,0 +1,203 @@
+"""grouped_matmul throughput on an NVIDIA GPU: our variants against PyTorch's in the same run.
+
+Rows are mixture-of-experts layers: ``G`` experts, each multiplying the tokens routed to
+it, ``(T_g, K)``, by its weight, with token counts that differ per expert (a ramp from
+half to one and a half times the mean, as routing leaves them). Two weight layouts:
+``row``, ``b`` stored (K, N); and ``col``, ``b = w.t()`` of an (N, K) ``nn.Linear`` weight
+(how models store them). Columns:
+
+- ``torch_loop``: ``[a @ b for ...]``, one cuBLAS GEMM per expert (``torch.matmul``);
+- ``torch_grouped``: ``torch._grouped_mm`` on the tokens concatenated and the weights
+  stacked (CUTLASS's grouped GEMM on sm_90; its fast path takes bf16 only, so fp16 rows
+  say "n/a");
+- ``tma``: our ``nvidia.tma`` variant, forced (device-side descriptors per group);
+- ``generic``: our ``generic`` variant, forced (pointer loads).
+
+Ours get the same memory as ``torch_grouped``: views into the concatenated tokens and the
+stacked weights. Each is checked against the fp32 product before it is timed; a wrong
+result is reported and not timed. Times are the median of ``triton.testing.do_bench`` with
+the host's time per call included (``--cudagraph``: graph replays, the kernels alone).
+TFLOP/s count ``2 * T_g * N * K`` per expert.
+
+    python bench/grouped_matmul.py [--quick] [--dtypes bf16,fp16] [--layouts row,col]
+                                   [--cudagraph] [--out PREFIX]
+
+Writes ``PREFIX.json`` and ``PREFIX.md`` after every row.
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from portable_kernels import dispatch
+from portable_kernels.kernels import grouped_matmul as grouped_module
+from portable_kernels.testing import max_error, tolerance
+
+import _common  # bench/, beside this script
+
+DEVICE = "cuda"
+OURS = {"tma": "nvidia.tma", "generic": "generic"}
+METHODS = ("torch_loop", "torch_grouped", *OURS)
+
+# (name, experts, mean tokens per expert, N, K): Mixtral-8x7B's expert projections (up
+# 4096 -> 14336, down 14336 -> 4096) at decode- and prefill-sized token counts, and a
+# fine-grained MoE (64 experts of 1408, Qwen-MoE-like, hidden 2048).
+LAYERS = [
+    ("8 experts up", 8, 64, 14336, 4096),
+    ("8 experts up", 8, 1024, 14336, 4096),
+    ("8 experts down", 8, 1024, 4096, 14336),
+    ("64 experts up", 64, 32, 1408, 2048),
+    ("64 experts up", 64, 256, 1408, 2048),
+    ("64 experts down", 64, 256, 2048, 1408),
+]
+QUICK = [LAYERS[1], LAYERS[4]]
+
+
+def token_counts(experts: int, mean: int) -> list[int]:
+    """A ramp from half the mean to one and a half times it (at least 1 each)."""
+    if experts == 1:
+        return [mean]
+    return [max(1, round(mean * (0.5 + g / (experts - 1)))) for g in range(experts)]
+
+
+def operands(counts: list[int], n: int, k: int, dtype: torch.dtype, layout: str):
+    """Concatenated tokens (sum T, K), stacked weights (G, K, N) (``col``: the transposes
+    of (G, N, K) ones), and the per-expert views of both."""
+    tokens = torch.randn(sum(counts), k, device=DEVICE).to(dtype)
+    if layout == "col":
+        weights = torch.randn(len(counts), n, k, device=DEVICE).to(dtype).transpose(1, 2)
+    else:
+        weights = torch.randn(len(counts), k, n, device=DEVICE).to(dtype)
+    list_a = list(torch.split(tokens, counts))
+    list_b = list(weights.unbind(0))
+    return tokens, weights, list_a, list_b
+
+
+def torch_grouped(tokens, weights, counts):
+    """``torch._grouped_mm`` where this torch has it, else None."""
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return None
+    offs = torch.tensor(counts, device=DEVICE, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return lambda: fn(tokens, weights, offs)
+
+
+def bench_row(layer, dtype, layout, args) -> dict:
+    name, experts, mean, n, k = layer
+    counts = token_counts(experts, mean)
+    tokens, weights, list_a, list_b = operands(counts, n, k, dtype, layout)
+    refs = [a.float() @ b.float() for a, b in zip(list_a, list_b)]
+    tol = tolerance(dtype, "dot")
+    flops = sum(2.0 * t * n * k for t in counts)
+    row = {"layer": name, "G": experts, "tokens": sum(counts), "N": n, "K": k,
+           "dtype": str(dtype).replace("torch.", ""), "layout": layout,
+           "tflops": {}, "ms": {}, "error": {}}
+
+    fns = {"torch_loop": lambda: [torch.matmul(a, b) for a, b in zip(list_a, list_b)]}
+    grouped = torch_grouped(tokens, weights, counts)
+    if grouped is None:
+        row["error"]["torch_grouped"] = "not timed: this torch has no torch._grouped_mm"
+    elif dtype != torch.bfloat16:
+        row["error"]["torch_grouped"] = "not timed: its fast path (CUTLASS) takes bf16 only"
+    else:
+        fns["torch_grouped"] = lambda: list(torch.split(grouped(), counts))
+    for method, variant in OURS.items():
+        with pk.use_variant(grouped_matmul=variant):
+            try:
+                plan = dispatch._launch_plan(pk.explain("grouped_matmul", list_a, list_b))
+            except Exception as exc:  # e.g. the descriptor variant refusing a layout
+                row["error"][method] = f"not timed: {str(exc).splitlines()[0][:200]}"
+                continue
+        fns[method] = (lambda plan=plan: grouped_module.launch(plan, list_a, list_b))
+
+    for method, fn in fns.items():
+        try:
+            outs = fn()  # also compiles and autotunes ours
+            torch.cuda.synchronize()
+        except Exception as exc:
+            row["error"][method] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        worst = max(max_error(o, r, tol)[1] for o, r in zip(outs, refs))
+        if not worst <= 1.0:
+            row["error"][method] = f"WRONG: {worst:.3g}x the {tol} tolerance"
+            continue
+        if args.cudagraph:
+            ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        else:
+            ms = triton.testing.do_bench(fn, return_mode="median")
+        row["ms"][method] = ms
+        row["tflops"][method] = flops / (ms * 1e-3) / 1e12
+    return row
+
+
+def _base(row: dict) -> float | None:
+    """The faster of PyTorch's two, the one to beat."""
+    times = [row["tflops"][m] for m in ("torch_loop", "torch_grouped") if m in row["tflops"]]
+    return max(times) if times else None
+
+
+def _cell(row: dict, method: str) -> str:
+    if method in row["tflops"]:
+        base = _base(row)
+        t = row["tflops"][method]
+        if method in OURS and base:
+            return f"{t:.1f} ({t / base:.2f})"
+        return f"{t:.1f}"
+    error = row["error"].get(method, "")
+    return "WRONG" if error.startswith("WRONG") else ("n/a" if error.startswith("not timed") or not error else "error")
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "TFLOP/s; ours with their ratio to the faster of torch_loop and "
+             "torch_grouped", "",
+             "| layer | G | tokens | N | K | dtype | b | " + " | ".join(METHODS) + " |",
+             "|:--|--:|--:|--:|--:|:--|:--|" + "--:|" * len(METHODS)]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['G']} | {r['tokens']} | {r['N']} | {r['K']} | "
+                     f"{r['dtype']} | {r['layout']} | " + " | ".join(_cell(r, m) for m in METHODS) + " |")
+    errors = [(r, m, e) for r in rows for m, e in r["error"].items()]
+    if errors:
+        lines += ["", "Not timed:", ""]
+        lines += [f"- {r['layer']} T={r['tokens']} {r['dtype']} b {r['layout']} {m}: {e}"
+                  for r, m, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = _common.options(__doc__, "grouped-matmul-bench", "two layers only")
+    parser.add_argument("--layouts", default="row,col", help="comma-separated: row, col")
+    args = parser.parse_args()
+    info = _common.nvidia_gpu("bench/grouped_matmul.py", "torch's grouped GEMMs",
+                              "tests/test_grouped_matmul.py")
+    dtypes = _common.dtypes(args.dtypes)
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not layouts or set(layouts) - {"row", "col"}:
+        parser.error("--layouts: choose among row, col")
+    prefix = Path(args.out)
+    header = _common.header("grouped_matmul", info, args.cudagraph)
+    print(header, flush=True)
+    rows, start = [], time.time()
+    for dtype in dtypes:
+        for layout in layouts:
+            for layer in (QUICK if args.quick else LAYERS):
+                row = bench_row(layer, dtype, layout, args)
+                rows.append(row)
+                print(f"{row['layer']:>16} G={row['G']:<3} T={row['tokens']:<6} {row['dtype']:>8} "
+                      f"b {layout}: " + "  ".join(f"{m} {_cell(row, m)}" for m in METHODS), flush=True)
+                _common.write(prefix, rows, {**_common.meta(info, args.cudagraph),
+                                             "elapsed_s": time.time() - start},
+                              lambda rows_: markdown(rows_, header))
+    for r in rows:
+        for m, e in r["error"].items():
+            print(f"{r['layer']} T={r['tokens']} {r['dtype']} b {r['layout']} {m}: {e}")
+    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} "
+          f"in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
