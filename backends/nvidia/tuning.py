@@ -133,11 +133,18 @@ def _grouped_matmul(device: DeviceInfo) -> list[triton.Config]:
 
 
 def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
+    # The winners of bench/grouped_matmul_sweep.py on the H200 (2026-11-30, bf16, 18 tiles,
+    # mixture-of-experts layers of 8 and 64 experts, b row- and column-major; results in
+    # docs/performance.md): 128x256 with 8 warps where experts hold many tokens, 64x256
+    # with 4 warps where they hold few (64 experts of 32 tokens: 1.01x PyTorch's grouped
+    # GEMM against 0.89-0.92x for the earlier table's pick) and for the down projections.
+    # 128x128 stays for outputs narrower than 256 columns.
     return [
         _gemm(128, 256, 64, 3, 8, EPILOGUE_SUBTILE=True),
-        _gemm(128, 128, 64, 4, 8, EPILOGUE_SUBTILE=True),
+        _gemm(128, 256, 64, 4, 8, EPILOGUE_SUBTILE=True),
+        _gemm(64, 256, 64, 4, 4, EPILOGUE_SUBTILE=True),
+        _gemm(64, 256, 64, 3, 4, EPILOGUE_SUBTILE=True),
         _gemm(128, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
-        _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
     ]
 
 def _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=None) -> triton.Config:
