@@ -6,20 +6,23 @@ half to one and a half times the mean, as routing leaves them). Two weight layou
 ``row``, ``b`` stored (K, N); and ``col``, ``b = w.t()`` of an (N, K) ``nn.Linear`` weight
 (how models store them). Columns:
 
-- ``torch_loop``: ``[a @ b for ...]``, one cuBLAS GEMM per expert (``torch.matmul``);
+- ``torch_loop``: ``[a @ b for ...]``, one cuBLAS GEMM per expert (``torch.matmul``; for
+  fp8 operands ``torch._scaled_mm`` with unit scales and a bf16 output, which needs ``b``
+  column-major: ``col`` rows only);
 - ``torch_grouped``: ``torch._grouped_mm`` on the tokens concatenated and the weights
   stacked (CUTLASS's grouped GEMM on sm_90; its fast path takes bf16 only, so fp16 rows
-  say "n/a");
+  say "n/a"); for fp8, ``torch._scaled_grouped_mm`` with unit row-wise scales;
 - ``tma``: our ``nvidia.tma`` variant, forced (device-side descriptors per group);
 - ``generic``: our ``generic`` variant, forced (pointer loads).
 
 Ours get the same memory as ``torch_grouped``: views into the concatenated tokens and the
-stacked weights. Each is checked against the fp32 product before it is timed; a wrong
-result is reported and not timed. Times are the median of ``triton.testing.do_bench`` with
+stacked weights. Each is checked against the fp32 product before it is timed (the
+library's "dot" tolerance; for fp8, twice cuBLAS's own error, as ``bench/matmul.py``); a
+wrong result is reported and not timed. Times are the median of ``triton.testing.do_bench`` with
 the host's time per call included (``--cudagraph``: graph replays, the kernels alone).
 TFLOP/s count ``2 * T_g * N * K`` per expert.
 
-    python bench/grouped_matmul.py [--quick] [--dtypes bf16,fp16] [--layouts row,col]
+    python bench/grouped_matmul.py [--quick] [--dtypes bf16,fp16,fp8e4m3] [--layouts row,col]
                                    [--cudagraph] [--out PREFIX]
 
 Writes ``PREFIX.json`` and ``PREFIX.md`` after every row.
@@ -39,6 +42,7 @@ from portable_kernels.kernels import grouped_matmul as grouped_module
 from portable_kernels.testing import max_error, tolerance
 
 import _common  # bench/, beside this script
+from matmul import FP8, check_tolerance, vendor_matmul  # bench/
 
 DEVICE = "cuda"
 OURS = {"tma": "nvidia.tma", "generic": "generic"}
@@ -79,11 +83,19 @@ def operands(counts: list[int], n: int, k: int, dtype: torch.dtype, layout: str)
 
 
 def torch_grouped(tokens, weights, counts):
-    """``torch._grouped_mm`` where this torch has it, else None."""
+    """``torch._grouped_mm`` (for fp8 ``torch._scaled_grouped_mm`` with unit row-wise
+    scales and a bf16 output) where this torch has it, else None."""
+    offs = torch.tensor(counts, device=DEVICE, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if tokens.dtype in FP8:
+        fn = getattr(torch, "_scaled_grouped_mm", None)
+        if fn is None:
+            return None
+        scale_a = torch.ones(tokens.shape[0], device=DEVICE, dtype=torch.float32)
+        scale_b = torch.ones(weights.shape[0], weights.shape[2], device=DEVICE, dtype=torch.float32)
+        return lambda: fn(tokens, weights, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None:
         return None
-    offs = torch.tensor(counts, device=DEVICE, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return lambda: fn(tokens, weights, offs)
 
 
@@ -98,11 +110,16 @@ def bench_row(layer, dtype, layout, args) -> dict:
            "dtype": str(dtype).replace("torch.", ""), "layout": layout,
            "tflops": {}, "ms": {}, "error": {}}
 
-    fns = {"torch_loop": lambda: [torch.matmul(a, b) for a, b in zip(list_a, list_b)]}
+    fns = {}
+    vendor = vendor_matmul(dtype)
+    if dtype in FP8 and layout != "col":
+        row["error"]["torch_loop"] = "not timed: torch._scaled_mm needs b column-major"
+    else:
+        fns["torch_loop"] = lambda: [vendor(a, b) for a, b in zip(list_a, list_b)]
     grouped = torch_grouped(tokens, weights, counts)
     if grouped is None:
-        row["error"]["torch_grouped"] = "not timed: this torch has no torch._grouped_mm"
-    elif dtype != torch.bfloat16:
+        row["error"]["torch_grouped"] = "not timed: this torch has no grouped GEMM for it"
+    elif dtype == torch.float16:
         row["error"]["torch_grouped"] = "not timed: its fast path (CUTLASS) takes bf16 only"
     else:
         fns["torch_grouped"] = lambda: list(torch.split(grouped(), counts))
@@ -122,6 +139,11 @@ def bench_row(layer, dtype, layout, args) -> dict:
         except Exception as exc:
             row["error"][method] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
+        if dtype in FP8 and method in ("torch_loop", "torch_grouped") and "tolerance" not in row:
+            # The first vendor result sets the fp8 tolerance (its error, twice).
+            tol = max((check_tolerance(dtype, o, r) for o, r in zip(outs, refs)),
+                      key=lambda t: t.atol)
+            row["tolerance"] = str(tol)
         worst = max(max_error(o, r, tol)[1] for o, r in zip(outs, refs))
         if not worst <= 1.0:
             row["error"][method] = f"WRONG: {worst:.3g}x the {tol} tolerance"
@@ -174,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     info = _common.nvidia_gpu("bench/grouped_matmul.py", "torch's grouped GEMMs",
                               "tests/test_grouped_matmul.py")
-    dtypes = _common.dtypes(args.dtypes)
+    dtypes = _common.dtypes(args.dtypes, {**_common.DTYPES, **_common.FP8})
     layouts = [x for x in args.layouts.split(",") if x]
     if not layouts or set(layouts) - {"row", "col"}:
         parser.error("--layouts: choose among row, col")

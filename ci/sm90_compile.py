@@ -211,18 +211,22 @@ def grouped_matmul_cases(host, device, quick: bool):
         plan_list = plans(host, device, "grouped_matmul", variant)
         if quick:
             plan_list = plan_list[:1]
+        fp8 = [torch.float8_e4m3fn] if quick else [torch.float8_e4m3fn, torch.float8_e5m2]
         for plan in plan_list:
             # b row-major, and column-major (w.t() of (N, K) weights: descriptors of the
-            # transposes, or vectorized loads along K).
-            for layout in ("row", "col"):
+            # transposes, or vectorized loads along K; fp8 MMAs on the descriptor path).
+            cases = [(d, lay) for d in fp8 for lay in ("col", "row")]
+            if plan.configs[0].kwargs.get("OPERAND_BYTES") != 1:  # fp8-only tiles: fp8 only
+                cases = [(torch.float16, "row"), (torch.float16, "col")] + cases
+            for dtype, layout in cases:
                 name = (f"grouped_matmul/{variant} "
                         f"{_label(plan.configs[0], ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} "
-                        f"float16" + (" b col-major" if layout == "col" else ""))
-                la = [torch.empty(m, 256, dtype=torch.float16) for m in (64, 128, 256)]
+                        f"{str(dtype)[6:]}" + (" b col-major" if layout == "col" else ""))
+                la = [torch.empty(m, 256, dtype=dtype) for m in (64, 128, 256)]
                 if layout == "col":
-                    lb = [torch.empty(128, 256, dtype=torch.float16).t() for _ in la]
+                    lb = [torch.empty(128, 256, dtype=dtype).t() for _ in la]
                 else:
-                    lb = [torch.empty(256, 128, dtype=torch.float16) for _ in la]
+                    lb = [torch.empty(256, 128, dtype=dtype) for _ in la]
                 yield name, (lambda plan=plan, la=la, lb=lb: gmm.launch(plan, la, lb))
 
 

@@ -304,16 +304,21 @@ def _matmul_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _matmul_backward(ctx, grad):
-    a, b = ctx.saved_tensors
-    need_a, need_b = ctx.needs_input_grad
+def _no_fp8_gradient(kernel: str, a: Tensor) -> None:
+    """``InputError`` for fp8 operands: their gradients would mix a bf16 grad with fp8
+    operands, which the GEMMs do not take; fp8 weights are quantized copies, trained (if at
+    all) through their bf16 masters."""
     from .kernels._host import FP8_DTYPES
 
     if a.dtype in FP8_DTYPES:
-        # The gradients would mix a bf16 grad with fp8 operands, which matmul does not take;
-        # fp8 weights are quantized copies, trained (if at all) through their bf16 masters.
-        raise InputError(f"matmul: no gradient for {str(a.dtype).replace('torch.', '')} "
-                         "operands; differentiate a matmul of their bf16 or fp32 values")
+        raise InputError(f"{kernel}: no gradient for {str(a.dtype).replace('torch.', '')} "
+                         f"operands; differentiate a {kernel} of their bf16 or fp32 values")
+
+
+def _matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad
+    _no_fp8_gradient("matmul", a)
     # Our own kernel on transposed views: the launcher reads any strides, so no copies.
     da = matmul(grad, b.t()) if need_a else None
     db = matmul(a.t(), grad) if need_b else None
@@ -338,7 +343,10 @@ def _(list_a, list_b):
         raise InputError(
             f"grouped_matmul: needs two non-empty lists of one length, got {len(list_a)} "
             f"and {len(list_b)}")
-    return [a.new_empty((a.shape[0], b.shape[1])) for a, b in zip(list_a, list_b)]
+    from .kernels.matmul import out_dtype
+
+    return [a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype(a.dtype))
+            for a, b in zip(list_a, list_b)]
 
 
 def _grouped_matmul_setup(ctx, inputs, output):
@@ -351,6 +359,7 @@ def _grouped_matmul_backward(ctx, grads):
     saved = ctx.saved_tensors
     list_a, list_b = saved[:ctx.groups], saved[ctx.groups:]
     need_a, need_b = ctx.needs_input_grad  # one list of flags per list argument
+    _no_fp8_gradient("grouped_matmul", list_a[0])
     # Both gradients are grouped GEMMs themselves: one launch each, on transposed views.
     da = grouped_matmul(list(grads), [b.t() for b in list_b]) if any(need_a) else None
     db = grouped_matmul([a.t() for a in list_a], list(grads)) if any(need_b) else None

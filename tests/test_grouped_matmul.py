@@ -10,11 +10,14 @@ import torch
 
 import portable_kernels as pk
 from conftest import ON_CPU
+from portable_kernels import dispatch
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import grouped_matmul as grouped_module
+from portable_kernels.kernels.matmul import out_dtype
 from portable_kernels.testing import assert_close, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 TMA = "nvidia.tma"
 
 # (M, N, K) per group: tails in every dimension, a one-row group, several K steps, more
@@ -22,6 +25,8 @@ TMA = "nvidia.tma"
 SHAPES = [(67, 45, 33), (1, 64, 8), (130, 70, 200), (300, 20, 16), (16, 16, 16)]
 # The same kind of mix with 16-byte aligned rows for 16-bit types (what descriptors take).
 ALIGNED_SHAPES = [(67, 48, 40), (1, 64, 8), (130, 72, 200), (300, 24, 16), (16, 16, 16)]
+# ... and for 1-byte (fp8) types: N and K multiples of 16.
+FP8_SHAPES = [(67, 48, 48), (1, 64, 16), (130, 80, 208), (300, 32, 16), (16, 16, 16)]
 
 
 def _operands(gen, shapes, dtype, device):
@@ -30,11 +35,16 @@ def _operands(gen, shapes, dtype, device):
     return list_a, list_b
 
 
+def _skip_without_fp8(device):
+    if not pk.device_info(device).has("fp8"):
+        pytest.skip(f"{device} has no fp8 capability")
+
+
 def _check(outs, list_a, list_b):
     assert isinstance(outs, list) and len(outs) == len(list_a)
     refs = grouped_module.reference(list_a, list_b)
     for g, (out, a, ref) in enumerate(zip(outs, list_a, refs)):
-        assert out.shape == ref.shape and out.dtype == a.dtype and out.is_contiguous(), f"group {g}"
+        assert out.shape == ref.shape and out.dtype == out_dtype(a.dtype) and out.is_contiguous(), f"group {g}"
         assert not torch.isnan(out).any(), f"group {g}: the kernel left output elements unwritten"
         assert_close(out, ref, tolerance(a.dtype, "dot"), f"group {g} {tuple(out.shape)} {a.dtype}")
 
@@ -145,6 +155,38 @@ def test_mixture_of_experts_layer(device, gen, nan_empty, variant, weights):
     with pk.use_variant(grouped_matmul=variant):
         outs = pk.get_kernel("grouped_matmul")(list_a, list_b)
     _check(outs, list_a, list_b)
+
+
+@pytest.mark.parametrize("upcast", [None, False])
+@pytest.mark.parametrize("variant", ["generic", TMA])
+@pytest.mark.parametrize("weights", ["row", "col"])
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8(device, gen, nan_empty, dtype, weights, variant, upcast):
+    """fp8 operands, bf16 outputs. ``upcast=False`` on the interpreter runs the paths
+    compiled kernels take: fp16 tiles, or with every b column-major on the descriptor
+    path, the fp8 dot with its periodic fp32 accumulation."""
+    _skip_without_fp8(device)
+    if upcast is False and not ON_CPU:
+        pytest.skip("UPCAST is already off for compiled kernels (the default case runs them)")
+    list_a, list_b = _operands(gen, FP8_SHAPES, dtype, device)
+    if weights == "col":
+        list_b = _weights_t(gen, FP8_SHAPES, dtype, device)
+    assert grouped_module.problem(list_a, list_b).b_layout == weights
+    with pk.use_variant(grouped_matmul=variant):
+        plan = dispatch._launch_plan(pk.explain("grouped_matmul", list_a, list_b))
+    if upcast is not None:
+        plan = pk.LaunchPlan(plan.variant, plan.device, plan.configs, dict(plan.switches, UPCAST=upcast))
+    _check(grouped_module.launch(plan, list_a, list_b), list_a, list_b)
+
+
+def test_fp8_has_no_gradient(device, gen):
+    _skip_without_fp8(device)
+    from portable_kernels import ops
+
+    list_a, list_b = _operands(gen, ALIGNED_SHAPES[:2], torch.float8_e4m3fn, device)
+    outs = ops.grouped_matmul([a.requires_grad_() for a in list_a], list_b)
+    with pytest.raises(ValueError, match="grouped_matmul: no gradient for float8_e4m3fn operands"):
+        sum(o.float().sum() for o in outs).backward()
 
 
 def test_mixed_weight_layouts(device, gen, nan_empty):

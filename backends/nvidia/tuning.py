@@ -145,6 +145,18 @@ def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 256, 64, 4, 4, EPILOGUE_SUBTILE=True),
         _gemm(64, 256, 64, 3, 4, EPILOGUE_SUBTILE=True),
         _gemm(128, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+    ] + _grouped_matmul_fp8(device)
+
+
+def _grouped_matmul_fp8(device: DeviceInfo) -> list[triton.Config]:
+    # fp8 operands (OPERAND_BYTES=1): the unsplit descriptor tiles of the fp8 matmul table
+    # (_matmul_fp8, twice the K depth of the 16-bit tiles), not swept for grouped GEMMs.
+    fp8 = {"OPERAND_BYTES": 1}
+    return [
+        _gemm(128, 256, 128, 3, 8, EPILOGUE_SUBTILE=True, **fp8),
+        _gemm(128, 128, 128, 4, 8, **fp8),
+        _gemm(128, 128, 256, 3, 8, **fp8),
+        _gemm(64, 128, 128, 4, 8, **fp8),
     ]
 
 def _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=None) -> triton.Config:

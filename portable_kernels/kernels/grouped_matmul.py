@@ -43,11 +43,12 @@ import triton.language as tl
 
 from ..registry import KernelSpec, Variant
 from . import _host, _tiles
-from .matmul import TMA_DTYPES, fit_tiles
+from .matmul import OPERAND_DTYPES, TMA_DTYPES, fit_tiles, operand_configs, out_dtype
 
 NAME = "grouped_matmul"
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 # int64 values per group in the table: the addresses of a, b and c, then M, N, K, then
 # stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn.
@@ -68,7 +69,8 @@ def _grouped_matmul_kernel(
     GROUP_SIZE_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr = False,
     # --- meta: switches and per-call facts ---
-    DTYPE: tl.constexpr = tl.float16,   # element type of every operand and output
+    DTYPE: tl.constexpr = tl.float16,   # element type of every operand
+    OUT_DTYPE: tl.constexpr = tl.float16,   # of every output: DTYPE's, bf16 for fp8 operands
     VEC: tl.constexpr = 8,              # elements per 16 bytes (ALIGNED hints)
     TMA: tl.constexpr = False,
     ALIGNED: tl.constexpr = False,
@@ -84,7 +86,7 @@ def _grouped_matmul_kernel(
         row = table_ptr + g * _ROW
         a_ptr = tl.load(row + 0).to(tl.pointer_type(DTYPE))
         b_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
-        c_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+        c_ptr = tl.load(row + 2).to(tl.pointer_type(OUT_DTYPE))
         M = tl.load(row + 3).to(tl.int32)
         N = tl.load(row + 4).to(tl.int32)
         K = tl.load(row + 5).to(tl.int32)
@@ -206,8 +208,8 @@ def _check(list_a, list_b) -> tuple[torch.dtype, torch.device]:
     dtype = list_a[0].dtype
     for g, (a, b) in enumerate(zip(list_a, list_b)):
         where = f"{NAME} group {g}"
-        _host.check_dtype(where, "a", a)
-        _host.check_dtype(where, "b", b)
+        _host.check_dtype(where, "a", a, OPERAND_DTYPES)
+        _host.check_dtype(where, "b", b, OPERAND_DTYPES)
         _host.check_same_dtype(where, a=a, b=b)
         if a.dtype != dtype:
             raise _host.DTypeError(
@@ -243,7 +245,7 @@ def tma_accepts(problem: Problem, device) -> str | None:
     ``b`` row-major in every group or column-major in every group)."""
     if problem.dtype not in TMA_DTYPES:
         return (f"{_host._dtype_name(problem.dtype)} operands stay on pointer loads (the TMA "
-                "path takes float16 and bfloat16)")
+                "path takes float16, bfloat16 and the fp8 types)")
     if not problem.b_layout:
         return ("some group's a is not row-major, or its b is neither row- nor column-major "
                 "as in the other groups, with 16-byte aligned base and rows (a, b and the "
@@ -287,8 +289,12 @@ def _prune(configs: list, nargs: dict, **kwargs) -> list:
 
 def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[a @ b for a, b in zip(list_a, list_b)]`` in one launch. Each ``a`` is (M_g, K_g),
-    each ``b`` (K_g, N_g), any strides, all of one float dtype (fp16, bf16, fp32) and
-    device; fp32 accumulation. Returns new contiguous (M_g, N_g) tensors of that dtype."""
+    each ``b`` (K_g, N_g), any strides, all of one dtype (fp16, bf16, fp32, or fp8
+    e4m3/e5m2 on devices with the ``fp8`` capability) and device; fp32 accumulation.
+    Returns new contiguous (M_g, N_g) tensors of that dtype, bf16 for fp8 operands (as
+    ``matmul``; no scales are applied). fp8 products take sm_90's fp8 MMAs on the
+    descriptor path with every ``b`` column-major (``w.t()`` of (N, K) weights); elsewhere
+    their tiles become fp16 first."""
     # One pass over the groups: host time per call grows with their number (about 10 us
     # a group on the H200's host, 2026-11-30), most of it in Python per group.
     _check_lists(list_a, list_b)
@@ -296,6 +302,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
     dtype, device, size = getattr(a0, "dtype", None), getattr(a0, "device", None), 0
     if dtype in _TL_DTYPES:
         size = a0.element_size()
+        result = out_dtype(dtype)
     outs, rows, layouts = [], [], set()
     tiles_of, m_max, n_max, k_max = [], 0, 0, 0  # (M, N) per launched group; the largest
     for a, b in zip(list_a, list_b):
@@ -308,7 +315,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
         if not ok:
             _check(list_a, list_b)  # raises, naming the group
         (M, K), N = a.shape, b.shape[1]
-        c = torch.empty((M, N), dtype=dtype, device=device)
+        c = torch.empty((M, N), dtype=result, device=device)
         outs.append(c)
         if M == 0 or N == 0:
             continue
@@ -339,12 +346,20 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
 
     keys = [_host.next_power_of_2(x) for x in (m_max, n_max, k_max)]
     layout = _common_layout(layouts)
-    kernel = plan.autotuned(_grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY", "B_T"],
-                            prune_configs_by={"early_config_prune": _prune})
+    # One autotuner per operand size, over the table's configs for that size (a table may
+    # mark fp8 ones, see matmul.operand_configs): the key has no dtype (the table holds
+    # every tensor), and a tile tuned for 2-byte operands may not fit shared memory with
+    # 4-byte ones.
+    kernel = plan.cached((NAME, "tuned kernel", size), lambda: plan.autotuned(
+        _grouped_matmul_kernel, key=["G", "M_KEY", "N_KEY", "K_KEY", "B_T"],
+        configs=operand_configs(plan.configs, size),
+        prune_configs_by={"early_config_prune": _prune},
+        name="" if size == 2 else f"{size}-byte operands"))
     with _host.scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():
         kernel[grid](
             table, len(tiles_of), *keys,
-            DTYPE=_TL_DTYPES[dtype], VEC=16 // size, ALIGNED=bool(layout),
+            DTYPE=_TL_DTYPES[dtype], OUT_DTYPE=_TL_DTYPES[result], VEC=16 // size,
+            ALIGNED=bool(layout),
             B_T=layout == "col", **plan.switches,
         )
     return outs
@@ -359,11 +374,16 @@ def reference(list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) ->
 
 def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
     """Random ``(list_a, list_b)`` of ``G`` groups for shape string ``"GxMxNxK"``; group
-    ``g`` has ``M * (g + 1) // G`` rows (at least 1), so sizes differ as in MoE layers."""
+    ``g`` has ``M * (g + 1) // G`` rows (at least 1), so sizes differ as in MoE layers.
+    For fp8, each ``b`` is column-major (an (N, K) weight's transpose), the layout fp8 MMAs
+    run on."""
     groups, m, n, k = _host.parse_shape(NAME, shape, "GxMxNxK")
     rows = [max(1, m * (g + 1) // groups) for g in range(groups)]
     list_a = [torch.randn(r, k, device=device).to(dtype) for r in rows]
-    list_b = [torch.randn(k, n, device=device).to(dtype) for _ in rows]
+    if dtype in _host.FP8_DTYPES:
+        list_b = [torch.randn(n, k, device=device).to(dtype).t() for _ in rows]
+    else:
+        list_b = [torch.randn(k, n, device=device).to(dtype) for _ in rows]
     return (list_a, list_b), {}
 
 
