@@ -150,14 +150,9 @@ def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
 
 def _grouped_matmul_fp8(device: DeviceInfo) -> list[triton.Config]:
     # fp8 operands (OPERAND_BYTES=1): the unsplit descriptor tiles of the fp8 matmul table
-    # (_matmul_fp8, twice the K depth of the 16-bit tiles), not swept for grouped GEMMs.
-    fp8 = {"OPERAND_BYTES": 1}
-    return [
-        _gemm(128, 256, 128, 3, 8, EPILOGUE_SUBTILE=True, **fp8),
-        _gemm(128, 128, 128, 4, 8, **fp8),
-        _gemm(128, 128, 256, 3, 8, **fp8),
-        _gemm(64, 128, 128, 4, 8, **fp8),
-    ]
+    # (twice the K depth of the 16-bit tiles), not swept for grouped GEMMs.
+    return [c for c in _matmul_fp8(device)
+            if "SPLIT_K" not in c.kwargs and c.kwargs.get("TMA", True)]
 
 def _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=None) -> triton.Config:
     """A flash_attn config: the forward's tile, warps and stages, then the dk/dv and the dq
