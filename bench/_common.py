@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -75,6 +76,40 @@ def write(prefix: Path, rows: list[dict], meta_: dict, table: Callable[[list[dic
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps({**meta_, "rows": rows}, indent=1))
     prefix.with_suffix(".md").write_text(table(rows))
+
+
+def first_call(row: dict, name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` once, waited for (ours compile and autotune there); None, with the error in
+    ``row["error"][name]``, when it raises."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    except Exception as exc:  # reported in the row; the method is not timed
+        row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return None
+
+
+def timed(row: dict, name: str, fn: Callable[[], Any], flops: float, cudagraph: bool) -> None:
+    """Time ``fn`` and record it in ``row`` (``row["ms"][name]``, ``row["tflops"][name]``):
+    the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call),
+    or with ``cudagraph`` of replays of a captured graph (no host time)."""
+    if cudagraph:
+        ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(fn, return_mode="median")
+    row["ms"][name] = ms
+    row["tflops"][name] = flops / (ms * 1e-3) / 1e12
+
+
+def closing(prefix: Path, rows: list[dict], label: Callable[[dict], str], start: float) -> None:
+    """The end of a run's log: every row's errors (``label(row)`` names the row), and where
+    the results went."""
+    for r in rows:
+        for name, error in r["error"].items():
+            print(f"{label(r)} {name}: {error}")
+    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} "
+          f"in {time.time() - start:.0f} s")
 
 
 def plot_missing() -> str:

@@ -325,11 +325,7 @@ def main() -> None:
                           lambda rows_: markdown(rows_, header))
             torch.cuda.empty_cache()
     print(_common.save_plots(Path(f"{prefix}-plots"), plot_benchmarks(out), measured(out)))
-    for r in out:
-        for name, e in r["error"].items():
-            print(f"{_label(r)} {name}: {e}")
-    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} "
-          f"in {time.time() - start:.0f} s")
+    _common.closing(prefix, out, _label, start)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 from portable_kernels import dispatch
 from portable_kernels.kernels import grouped_matmul as grouped_module
@@ -133,11 +132,8 @@ def bench_row(layer, dtype, layout, args) -> dict:
         fns[method] = (lambda plan=plan: grouped_module.launch(plan, list_a, list_b))
 
     for method, fn in fns.items():
-        try:
-            outs = fn()  # also compiles and autotunes ours
-            torch.cuda.synchronize()
-        except Exception as exc:
-            row["error"][method] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        outs = _common.first_call(row, method, fn)
+        if outs is None:
             continue
         if dtype in FP8 and method in ("torch_loop", "torch_grouped") and "tolerance" not in row:
             # The first vendor result sets the fp8 tolerance (its error, twice).
@@ -148,12 +144,7 @@ def bench_row(layer, dtype, layout, args) -> dict:
         if not worst <= 1.0:
             row["error"][method] = f"WRONG: {worst:.3g}x the {tol} tolerance"
             continue
-        if args.cudagraph:
-            ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
-        else:
-            ms = triton.testing.do_bench(fn, return_mode="median")
-        row["ms"][method] = ms
-        row["tflops"][method] = flops / (ms * 1e-3) / 1e12
+        _common.timed(row, method, fn, flops, args.cudagraph)
     return row
 
 
@@ -214,11 +205,8 @@ def main() -> None:
                 _common.write(prefix, rows, {**_common.meta(info, args.cudagraph),
                                              "elapsed_s": time.time() - start},
                               lambda rows_: markdown(rows_, header))
-    for r in rows:
-        for m, e in r["error"].items():
-            print(f"{r['layer']} T={r['tokens']} {r['dtype']} b {r['layout']} {m}: {e}")
-    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} "
-          f"in {time.time() - start:.0f} s")
+    _common.closing(prefix, rows, lambda r: f"{r['layer']} T={r['tokens']} {r['dtype']} b {r['layout']}",
+                    start)
 
 
 if __name__ == "__main__":

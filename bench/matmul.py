@@ -230,11 +230,8 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
         fns[name] = rotating(functools.partial(matmul_module.launch, plan), copies)
 
     for name, fn in fns.items():  # cuBLAS first: fp8 rows take their tolerance from it
-        try:
-            out = fn()  # also compiles and autotunes ours
-            torch.cuda.synchronize()
-        except Exception as exc:
-            row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        out = _common.first_call(row, name, fn)
+        if out is None:
             continue
         if name == "cublas":
             tol = check_tolerance(dtype, out, ref)
@@ -245,12 +242,7 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
         if not ratio_ <= 1.0:
             row["error"][name] = f"WRONG: max abs error {err:.3g} ({ratio_:.3g}x {tol})"
             continue
-        if args.cudagraph:
-            ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
-        else:
-            ms = triton.testing.do_bench(fn, return_mode="median")
-        row["ms"][name] = ms
-        row["tflops"][name] = flops / (ms * 1e-3) / 1e12
+        _common.timed(row, name, fn, flops, args.cudagraph)
     return row
 
 
@@ -371,10 +363,7 @@ def main() -> None:
             _common.write(prefix, rows, {**meta, "elapsed_s": time.time() - start},
                           lambda rows_: markdown(rows_, header))
     print(_common.save_plots(Path(f"{prefix}-plots"), plot_benchmarks(rows), measured(rows)))
-    for r in rows:
-        for name, e in r["error"].items():
-            print(f"{r['M']}x{r['N']}x{r['K']} {r['dtype']} {name}: {e}")
-    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} in {time.time() - start:.0f} s")
+    _common.closing(prefix, rows, lambda r: f"{r['M']}x{r['N']}x{r['K']} {r['dtype']}", start)
 
 
 if __name__ == "__main__":
