@@ -9,7 +9,8 @@ Small groups cost no idle programs, large ones spread over the whole device, and
 launch replaces G.
 
 The tile steps (grouped order, main loops, epilogues) are ``_tiles.py``'s, shared with
-``matmul``.
+``matmul``. Operand dtypes and outputs are ``matmul``'s: fp16, bf16, fp32, and fp8 with
+bf16 outputs (``OUT_DTYPE``), where the fp8 MMA needs every ``b`` column-major.
 
 Constexpr switches:
     TMA: each group's operands and output through tensor descriptors built on the device
