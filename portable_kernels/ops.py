@@ -333,7 +333,8 @@ matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 @torch.library.custom_op(f"{NAMESPACE}::grouped_matmul", mutates_args=())
 def grouped_matmul(list_a: list[Tensor], list_b: list[Tensor]) -> list[Tensor]:
     """``[a @ b for a, b in zip(list_a, list_b)]`` in one launch; each ``a`` (M_g, K_g),
-    ``b`` (K_g, N_g), one dtype for all; new contiguous (M_g, N_g) tensors."""
+    ``b`` (K_g, N_g), one dtype for all (fp16, bf16, fp32, or fp8); new contiguous
+    (M_g, N_g) tensors of that dtype (bf16 for fp8 operands)."""
     return _handle("grouped_matmul")(list_a, list_b)
 
 

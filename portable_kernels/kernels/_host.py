@@ -123,10 +123,16 @@ def tma_layout(t: Any) -> str:
     aligned stride that steps past a whole row (no broadcast or overlapping rows). Cheap
     enough for ``problem`` functions.
     """
-    if t.dim() != 2 or t.data_ptr() % 16:
+    if t.dim() != 2:
         return ""
-    (n0, n1), (s0, s1) = t.shape, t.stride()
-    size = t.element_size()
+    return layout_of(t.data_ptr(), *t.shape, *t.stride(), t.element_size())
+
+
+def layout_of(ptr: int, n0: int, n1: int, s0: int, s1: int, size: int) -> str:
+    """:func:`tma_layout` of a 2-D tensor given by its address, sizes, strides and element
+    size: for launchers that read these numbers per call anyway (grouped_matmul, per group)."""
+    if ptr % 16:
+        return ""
     if s1 == 1 and s0 >= n1 and (s0 * size) % 16 == 0:
         return "row"
     if s0 == 1 and s1 >= n0 and (s1 * size) % 16 == 0:

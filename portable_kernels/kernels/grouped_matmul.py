@@ -172,18 +172,13 @@ def _check_lists(list_a, list_b) -> None:
 
 
 def _layout(pa: int, sam: int, sak: int, pb: int, sbk: int, sbn: int,
-            n: int, k: int, size: int) -> str:
+            m: int, n: int, k: int, size: int) -> str:
     """``b``'s layout, ``"row"`` or ``"col"``, when ``a`` (at address ``pa``, strides
-    ``sam, sak``) is row-major, both have 16-byte aligned bases and rows, and so has the
-    output (``n`` elements a row); else ``""``. The rule of :func:`_host.tma_layout`, on
-    numbers each call reads once per group anyway (every call runs it for every group)."""
-    if pa % 16 or pb % 16 or sak != 1 or sam < k or (sam * size) % 16 or (n * size) % 16:
+    ``sam, sak``) is row-major, both have 16-byte aligned bases and rows (the rule of
+    :func:`_host.tma_layout`), and so has the output (``n`` elements a row); else ``""``."""
+    if (n * size) % 16 or _host.layout_of(pa, m, k, sam, sak, size) != "row":
         return ""
-    if sbn == 1 and sbk >= n and (sbk * size) % 16 == 0:
-        return "row"
-    if sbk == 1 and sbn >= k and (sbn * size) % 16 == 0:
-        return "col"
-    return ""
+    return _host.layout_of(pb, k, n, sbk, sbn, size)
 
 
 def _check(list_a, list_b) -> tuple[torch.dtype, torch.device]:
@@ -236,7 +231,8 @@ def problem(list_a, list_b) -> Problem:
     dtype, device = _check(list_a, list_b)
     size = list_a[0].element_size()
     layout = _common_layout({
-        _layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), b.shape[1], a.shape[1], size)
+        _layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), a.shape[0], b.shape[1],
+                a.shape[1], size)
         for a, b in zip(list_a, list_b)})
     return Problem(device, dtype, layout)
 
@@ -334,7 +330,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
             n_max = N
         if K > k_max:
             k_max = K
-        layouts.add(_layout(pa, sam, sak, pb, sbk, sbn, N, K, size))
+        layouts.add(_layout(pa, sam, sak, pb, sbk, sbn, M, N, K, size))
     if not rows:
         return outs
     table = _device_table(rows, device)
