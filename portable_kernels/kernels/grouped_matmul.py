@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ..registry import KernelSpec, Variant
 from . import _host, _tiles
-from .matmul import OPERAND_DTYPES, TMA_DTYPES, fit_tiles, operand_configs, out_dtype
+from .matmul import OPERAND_DTYPES, TMA_DTYPES, fit_tiles, operand_configs, out_dtype, random_weight
 
 NAME = "grouped_matmul"
 
@@ -220,10 +220,9 @@ def _check(list_a, list_b) -> tuple[torch.dtype, torch.device]:
     return dtype, device
 
 
-def _common_layout(layouts) -> str:
+def _common_layout(layouts: set[str]) -> str:
     """The groups' one layout, or ``""`` when they differ or one is unaligned."""
-    first = next(iter(layouts), "")
-    return first if all(layout == first for layout in layouts) else ""
+    return next(iter(layouts)) if len(layouts) == 1 else ""
 
 
 def problem(list_a, list_b) -> Problem:
@@ -292,25 +291,14 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
     ``matmul``; no scales are applied). fp8 products take sm_90's fp8 MMAs on the
     descriptor path with every ``b`` column-major (``w.t()`` of (N, K) weights); elsewhere
     their tiles become fp16 first."""
-    # One pass over the groups: host time per call grows with their number (about 10 us
-    # a group on the H200's host, 2026-11-30), most of it in Python per group.
-    _check_lists(list_a, list_b)
-    a0 = list_a[0]
-    dtype, device, size = getattr(a0, "dtype", None), getattr(a0, "device", None), 0
-    if dtype in _TL_DTYPES:
-        size = a0.element_size()
-        result = out_dtype(dtype)
+    # Host time per call grows with the number of groups (about 10 us a group on the H200's
+    # host, 2026-11-30), most of it Python per group: one pass after the checks.
+    dtype, device = _check(list_a, list_b)
+    size = list_a[0].element_size()
+    result = out_dtype(dtype)
     outs, rows, layouts = [], [], set()
     tiles_of, m_max, n_max, k_max = [], 0, 0, 0  # (M, N) per launched group; the largest
     for a, b in zip(list_a, list_b):
-        try:
-            ok = (size and a.dtype is dtype and b.dtype is dtype and a.device == device
-                  and b.device == device and a.dim() == 2 and b.dim() == 2
-                  and a.shape[1] == b.shape[0])
-        except AttributeError:  # not a tensor
-            ok = False
-        if not ok:
-            _check(list_a, list_b)  # raises, naming the group
         (M, K), N = a.shape, b.shape[1]
         c = torch.empty((M, N), dtype=result, device=device)
         outs.append(c)
@@ -338,7 +326,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]
-        tiles = sum(-(-m // bm) * -(-n // bn) for m, n in tiles_of)
+        tiles = sum(_host.cdiv(m, bm) * _host.cdiv(n, bn) for m, n in tiles_of)
         return (min(tiles, num_sms),)
 
     keys = [_host.next_power_of_2(x) for x in (m_max, n_max, k_max)]
@@ -371,16 +359,12 @@ def reference(list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) ->
 
 def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
     """Random ``(list_a, list_b)`` of ``G`` groups for shape string ``"GxMxNxK"``; group
-    ``g`` has ``M * (g + 1) // G`` rows (at least 1), so sizes differ as in MoE layers.
-    For fp8, each ``b`` is column-major (an (N, K) weight's transpose), the layout fp8 MMAs
-    run on."""
+    ``g`` has ``M * (g + 1) // G`` rows (at least 1), so sizes differ as in MoE layers;
+    each ``b`` as ``matmul.random_weight`` draws it (column-major for fp8)."""
     groups, m, n, k = _host.parse_shape(NAME, shape, "GxMxNxK")
     rows = [max(1, m * (g + 1) // groups) for g in range(groups)]
     list_a = [torch.randn(r, k, device=device).to(dtype) for r in rows]
-    if dtype in _host.FP8_DTYPES:
-        list_b = [torch.randn(n, k, device=device).to(dtype).t() for _ in rows]
-    else:
-        list_b = [torch.randn(k, n, device=device).to(dtype) for _ in rows]
+    list_b = [random_weight(k, n, dtype, device) for _ in rows]
     return (list_a, list_b), {}
 
 

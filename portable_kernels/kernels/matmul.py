@@ -485,14 +485,19 @@ def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.double() @ b.double()
 
 
-def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
-    """Random ``(a, b)`` for shape string ``"MxNxK"``: a (M, K), b (K, N); for fp8, ``b``
-    column-major (an (N, K) weight's transpose), the layout fp8 MMAs run fastest on."""
-    m, n, k = _host.parse_shape(NAME, shape, "MxNxK")
-    a = torch.randn(m, k, device=device).to(dtype)
+def random_weight(k: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A random (K, N) right operand: row-major, or for fp8 column-major (an (N, K)
+    weight's transpose), the layout fp8 MMAs run fastest on."""
     if dtype in _host.FP8_DTYPES:
-        return (a, torch.randn(n, k, device=device).to(dtype).t()), {}
-    return (a, torch.randn(k, n, device=device).to(dtype)), {}
+        return torch.randn(n, k, device=device).to(dtype).t()
+    return torch.randn(k, n, device=device).to(dtype)
+
+
+def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
+    """Random ``(a, b)`` for shape string ``"MxNxK"``: a (M, K), b (K, N) as
+    :func:`random_weight` draws it."""
+    m, n, k = _host.parse_shape(NAME, shape, "MxNxK")
+    return (torch.randn(m, k, device=device).to(dtype), random_weight(k, n, dtype, device)), {}
 
 
 def default_configs(device) -> list:
