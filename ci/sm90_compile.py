@@ -9,7 +9,7 @@ Triton's JIT specializes them, then compiled for ``GPUTarget("cuda", 90, 32)`` w
 ptxas that ships with Triton, and nothing is launched.
 
 Families: ``flash_attn`` (``nvidia.hopper`` and the generic sm_90 table; forward and the
-three backward kernels, causal and not), ``matmul`` (``nvidia.persistent_tma`` and the
+three backward kernels, causal and not; ``nvidia.hopper_gluon``'s Gluon forward), ``matmul`` (``nvidia.persistent_tma`` and the
 generic table), ``grouped_matmul`` (``nvidia.tma`` and generic). For each compiled kernel
 it prints shared memory, registers and local memory (spills) from the cubin, and fails when
 a kernel does not compile or needs more shared memory than the device has.
@@ -40,6 +40,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
 import portable_kernels  # noqa: E402,F401  (loads the plugins' entry points)
@@ -82,7 +83,8 @@ class Compiler:
             bound, specialization, options = binder(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(
                 self.backend, kwargs, bound, specialization, options)
-            src = getattr(fn, "ASTSource", ASTSource)(fn, signature, constexprs, attrs)
+            source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+            src = source(fn, signature, constexprs, attrs)
             compiled = triton.compile(src, target=TARGET, options=options.__dict__)
             row.shared = compiled.metadata.shared
             row.regs, row.local = self._resource_usage(compiled)
@@ -172,6 +174,18 @@ def flash_attn_cases(host, device, quick: bool):
                         fa._backward(plan, do, q, k, v, out, lse, causal, scale)
 
                     yield name, launch
+    # nvidia.hopper_gluon: its forward is Gluon (one tile, no table); the backward is
+    # nvidia.hopper's, compiled above.
+    from portable_kernels.kernels import flash_attn_gluon as fg
+
+    for dtype in dtypes:
+        for d in fa.TMA_HEAD_DIMS:
+            for causal in (False, True):
+                name = (f"flash_attn/nvidia.hopper_gluon forward {str(dtype)[6:]} D={d} "
+                        f"{'causal' if causal else 'full'}")
+                q = torch.empty(1, 2, 256, d, dtype=dtype)
+                yield name, (lambda q=q, causal=causal, d=d:
+                             fg.forward(q, q, q, causal, 1.0 / math.sqrt(d)))
 
 
 def matmul_cases(host, device, quick: bool):

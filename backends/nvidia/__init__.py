@@ -6,6 +6,9 @@ Capabilities follow the compute capability: ``mma`` from sm_70, ``bf16`` from sm
 ``fp8`` from sm_89, and ``wgmma``, ``tensor_descriptor`` and ``warp_specialize`` from sm_90.
 
 Emulation profiles: ``h100``, ``h200``, ``a100``.
+
+``nvidia.hopper_gluon`` (flash_attn) ranks above ``nvidia.hopper`` and takes only sm_90 and
+the problems its Gluon forward covers; the rest go to ``nvidia.hopper``.
 """
 from __future__ import annotations
 
@@ -79,6 +82,17 @@ def _hopper_priority(device: DeviceInfo) -> int:
     return 100 if device.has("wgmma") else -10
 
 
+def _gluon_accepts(problem, device: DeviceInfo) -> str | None:
+    """``flash_attn.gluon_accepts`` on sm_90 only: the Gluon forward states sm_90's
+    warpgroup MMAs itself, which later NVIDIA parts do not have (Triton's ``tl.dot`` maps
+    to their own instructions; Gluon does not)."""
+    from portable_kernels.kernels import flash_attn
+
+    if device.arch != "sm_90":
+        return f"written for sm_90's warpgroup MMA instructions, which {device.arch} lacks"
+    return flash_attn.gluon_accepts(problem, device)
+
+
 @hookimpl
 def pk_register_variants(registry):
     # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
@@ -117,3 +131,14 @@ def pk_register_variants(registry):
         "kernels on descriptors, with tiles of their own; "
         "fp16/bf16, D 64 or 128, 16-byte aligned strides (else generic, with the reason "
         "in explain)"))
+    registry.add_variant(flash_attn.variant(
+        "nvidia.hopper_gluon", requires={"tensor_descriptor", "warp_specialize", "wgmma"},
+        priority=110, accepts=_gluon_accepts,
+        # The backward is nvidia.hopper's (TMA on, its tiles: the table below shares them).
+        switches={"TMA": True, "WARP_SPECIALIZE": False, "GLUON_FORWARD": True},
+        configs=tuning.flash_attn_hopper,
+        description="forward written in Gluon (flash_attn_gluon.py), FlashAttention-3's "
+        "schedule: a TMA producer warp and two consumer warpgroups as separate partitions "
+        "with explicit barriers, scores of the next key block issued before P·V of this one; "
+        "backward as nvidia.hopper; fp16/bf16, D 64 or 128, contiguous tensors with Nq, Nk "
+        "multiples of 128, CUDA only (else nvidia.hopper, with the reason in explain)"))

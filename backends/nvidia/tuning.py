@@ -235,6 +235,8 @@ _TABLE: dict[tuple[str, str | None], Configs] = {
     **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
     ("flash_attn", "nvidia.hopper"): flash_attn_hopper,
+    # Its forward has one fixed tile (flash_attn_gluon.py); the backward takes these.
+    ("flash_attn", "nvidia.hopper_gluon"): flash_attn_hopper,
     ("matmul", None): _matmul,
     ("matmul", "nvidia.persistent_tma"): matmul_persistent_tma,
     ("grouped_matmul", None): _grouped_matmul,

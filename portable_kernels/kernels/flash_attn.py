@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _host
+from . import _host, flash_attn_gluon
 
 NAME = "flash_attn"
 
@@ -117,6 +117,11 @@ SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": F
             "TMA": False, "WARP_SPECIALIZE": False}
 #: Switches a descriptor variant's config may set for its (autotuned) forward.
 _CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
+#: Switches the host launcher reads, never passed to a kernel. GLUON_FORWARD
+#: (nvidia.hopper_gluon): the forward runs ``flash_attn_gluon``'s kernel instead of this
+#: module's; the backward stays this module's. Its variant's predicate must be
+#: :func:`gluon_accepts`.
+HOST_SWITCHES = {"GLUON_FORWARD": False}
 
 #: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
 #: padding, for which its sm_90 configs are compiled and tuned.
@@ -653,6 +658,7 @@ class Problem(NamedTuple):
     causal: bool
     gqa: bool
     descriptor_issue: str  # why tensor descriptors cannot describe q, k, v ("" when they can)
+    gluon_issue: str  # why flash_attn_gluon's forward cannot take q, k, v as laid out, or ""
 
 
 def _descriptor_issue(d: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -712,7 +718,8 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Pro
     if sm_scale is not None and not isinstance(sm_scale, (int, float)):
         raise _host.DTypeError(
             f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v))
+    return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v),
+                   flash_attn_gluon.issue(q, k, v))
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
@@ -727,6 +734,17 @@ def tma_accepts(problem: Problem, device) -> str | None:
     if problem.descriptor_issue:
         return f"no tensor descriptor fits: {problem.descriptor_issue}"
     return _host.dtype_supported(problem, device)
+
+
+def gluon_accepts(problem: Problem, device) -> str | None:
+    """Predicate of the Gluon forward (``GLUON_FORWARD``): the descriptor predicate, a
+    CUDA device, and whole tiles of contiguous tensors (:func:`flash_attn_gluon.issue`)."""
+    if problem.device.type != "cuda":
+        return (f"tensors on {problem.device.type}: Gluon kernels run only on CUDA devices "
+                "(Triton's interpreter does not run them)")
+    if problem.gluon_issue:
+        return problem.gluon_issue
+    return tma_accepts(problem, device)
 
 
 def _block_d(d: int) -> int:
@@ -855,6 +873,8 @@ def _forward_setup(plan, block_d: int, itemsize: int) -> tuple[int, int, dict]:
 
 def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq))."""
+    if plan.switches.get("GLUON_FORWARD"):
+        return flash_attn_gluon.forward(q, k, v, causal, scale)
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     out = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
@@ -1047,14 +1067,16 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
     :data:`SWITCHES`; ``kwargs`` are :class:`Variant` fields (priority, configs, ...).
     Backends register their variants through this, so they hold no kernel code."""
     switches = dict(switches or {})
-    unknown = sorted(set(switches) - SWITCHES.keys())
+    unknown = sorted(set(switches) - SWITCHES.keys() - HOST_SWITCHES.keys())
     if unknown:
-        raise ValueError(f"{NAME}: unknown switches {unknown}; known: {sorted(SWITCHES)}")
+        raise ValueError(f"{NAME}: unknown switches {unknown}; "
+                         f"known: {sorted({*SWITCHES, *HOST_SWITCHES})}")
     if switches.get("HEAD_SPLIT", 1) not in (1, 2):
         raise ValueError(f"{NAME}: HEAD_SPLIT must be 1 or 2, got {switches['HEAD_SPLIT']}")
     kwargs.setdefault("accepts", _host.dtype_supported)
     kwargs.setdefault("configs", default_configs)
-    return Variant(NAME, name, launch, switches={**SWITCHES, **switches}, **kwargs)
+    return Variant(NAME, name, launch, switches={**SWITCHES, **HOST_SWITCHES, **switches},
+                   **kwargs)
 
 
 def register(registry) -> None:
