@@ -6,6 +6,9 @@ fp16 and bf16; fresh ``torch.randn`` inputs per row. Columns, forward and backwa
 - ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` under
   ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``, the baseline of the ratios;
 - ``flash``: the same under ``SDPBackend.FLASH_ATTENTION`` (FlashAttention-2);
+- ``gluon``: our ``nvidia.hopper_gluon`` variant, forced, the one chosen on sm_90 for
+  these shapes (its forward: ``flash_attn_gluon.py``, FlashAttention-3's schedule in Gluon;
+  its backward is ``hopper``'s);
 - ``hopper``: our ``nvidia.hopper`` variant, forced (descriptor loads, pipelined K/V loop,
   autotuned forward; its backward: the generic kernels' code on descriptors);
 - ``generic``: our ``generic`` variant, forced (pointer loads, one config per row size).
@@ -51,7 +54,7 @@ import _common  # bench/, beside this script
 SHAPES = [(4, 32, 1024), (4, 32, 4096), (1, 32, 16384)]   # (B, H, N)
 QUICK = [(4, 32, 4096, 64, False), (4, 32, 4096, 128, True), (1, 32, 16384, 128, True)]
 DIMS = (64, 128)
-OURS = {"hopper": "nvidia.hopper", "generic": "generic"}
+OURS = {"gluon": "nvidia.hopper_gluon", "hopper": "nvidia.hopper", "generic": "generic"}
 SDPA = ("cudnn", "flash")
 METHODS = SDPA + tuple(OURS)
 PASSES = ("fwd", "bwd")
