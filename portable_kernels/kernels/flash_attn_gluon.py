@@ -36,6 +36,7 @@ to ``nvidia.hopper``. ``causal`` is top-left aligned as in the rest of the famil
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -57,8 +58,21 @@ STAGES = 2
 #: = 65536 / 128), so no partition's register increase can wait forever.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 24
+#: The least work a call must have, ``2·B·H·Nq·Nk·D`` (a causal call's FLOPs), for the
+#: variant to take it. On the H200 (eager calls, 2026-11-30) every row of B=4, H=32 from
+#: N=4096 on (2.7e11 and up) ran at or above nvidia.hopper, and every N=1024 row (1.7e10 to
+#: 6.9e10) at 0.28-0.86x cuDNN with a spread of 2x between fp16 and bf16 runs of the same
+#: kernel, below nvidia.hopper in 7 of 8: the cause (host-side launch cost is suspected:
+#: three host descriptors and Triton's full JIT dispatch per call) is not measured yet.
+MIN_WORK = 2 * 4 * 32 * 4096 * 4096 * 64
 _LOG2E = 1.4426950408889634
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# Gluon is experimental: Triton 3.7+ renamed the TMA load (3.9 removed the old name).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+#: The Triton releases this kernel was compiled and checked with. Gluon's API changes between
+#: releases (3.9 also fails to compile it past the renamed load, not yet ported), so on
+#: others the variant declines and nvidia.hopper serves.
+TRITON_OK = triton.__version__.startswith("3.6.")
 
 
 def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -70,6 +84,10 @@ def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
                 "read whole tiles of each head's rows")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return "q, k and v must be contiguous (B, H, N, D) tensors"
+    b, h, _, d = q.shape
+    if 2 * b * h * n_q * n_k * d < MIN_WORK:
+        return (f"a call of 2·B·H·Nq·Nk·D = {2 * b * h * n_q * n_k * d:.2g} is below "
+                f"{MIN_WORK:.2g}, where it measured slower than nvidia.hopper (MIN_WORK)")
     return ""
 
 
@@ -78,7 +96,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_
               v_ready, v_empty, q_row, kv_row, n_blocks, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    _tma_load(q_desc, [q_row, 0], q_bar, q_smem)
     for i in range(n_blocks):
         s = i % STAGES
         # Barriers start in phase 1 done, so the first pass through the buffers waits on
@@ -87,10 +105,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_
         row = kv_row + i * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_bufs.index(s))
+        _tma_load(k_desc, [row, 0], k_ready.index(s), k_bufs.index(s))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_bufs.index(s))
+        _tma_load(v_desc, [row, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
