@@ -719,7 +719,8 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Pro
         raise _host.DTypeError(
             f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
     return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v),
-                   flash_attn_gluon.issue(q, k, v))
+                   # Only CUDA tensors can take the Gluon forward: skip its checks elsewhere.
+                   flash_attn_gluon.issue(q, k, v) if device.type == "cuda" else "")
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
