@@ -140,5 +140,6 @@ def pk_register_variants(registry):
         description="forward written in Gluon (flash_attn_gluon.py), FlashAttention-3's "
         "schedule: a TMA producer warp and two consumer warpgroups as separate partitions "
         "with explicit barriers, scores of the next key block issued before P·V of this one; "
-        "backward as nvidia.hopper; fp16/bf16, D 64 or 128, contiguous tensors with Nq, Nk "
-        "multiples of 128, CUDA only (else nvidia.hopper, with the reason in explain)"))
+        "copies through 4-D host descriptors; backward as nvidia.hopper; Triton 3.6, CUDA, "
+        "fp16/bf16, D 64 or 128, aligned strides, Nk >= 4096 (else nvidia.hopper, with the "
+        "reason in explain)"))

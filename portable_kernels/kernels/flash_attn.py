@@ -738,8 +738,8 @@ def tma_accepts(problem: Problem, device) -> str | None:
 
 
 def gluon_accepts(problem: Problem, device) -> str | None:
-    """Predicate of the Gluon forward (``GLUON_FORWARD``): the descriptor predicate, a
-    CUDA device, and whole tiles of contiguous tensors (:func:`flash_attn_gluon.issue`)."""
+    """Predicate of the Gluon forward (``GLUON_FORWARD``): a CUDA device, Triton 3.6, a
+    large enough call (:func:`flash_attn_gluon.issue`) and the descriptor predicate."""
     if problem.device.type != "cuda":
         return (f"tensors on {problem.device.type}: Gluon kernels run only on CUDA devices "
                 "(Triton's interpreter does not run them)")
@@ -877,8 +877,6 @@ def _forward_setup(plan, block_d: int, itemsize: int) -> tuple[int, int, dict]:
 
 def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq))."""
-    if plan.switches.get("GLUON_FORWARD"):
-        return flash_attn_gluon.forward(q, k, v, causal, scale)
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     out = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
@@ -887,6 +885,8 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
         return out, lse
     if n_k == 0:  # no keys: SDPA's math backend returns zeros
         return out.zero_(), lse.fill_(float("-inf"))
+    if plan.switches.get("GLUON_FORWARD"):
+        return flash_attn_gluon.forward(q, k, v, causal, scale)
     block_d = _block_d(d)
     switches = _switches(plan, block_d)
     args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
