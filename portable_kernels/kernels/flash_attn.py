@@ -744,8 +744,8 @@ def gluon_accepts(problem: Problem, device) -> str | None:
         return (f"tensors on {problem.device.type}: Gluon kernels run only on CUDA devices "
                 "(Triton's interpreter does not run them)")
     if not flash_attn_gluon.TRITON_OK:
-        return (f"written for Triton 3.6's Gluon API, which triton {triton.__version__} "
-                "changed (the kernel is not ported yet)")
+        return (f"checked on Triton 3.6 only: Gluon is experimental, and triton "
+                f"{triton.__version__} has not run this kernel on a GPU (TRITON_OK)")
     if problem.gluon_issue:
         return problem.gluon_issue
     return tma_accepts(problem, device)
