@@ -7,7 +7,8 @@ For each head dim and causal setting, at one (B, H, N) and fp16 or bf16, it time
   ``generic`` one) and with descriptors in the warp-specialized loop (``ws``, over its own
   short list of tiles: Triton specializes only 4-warp programs for sm_90);
 - the dk/dv and the dq backward kernels (``_launch_dkdv``, ``_launch_dq``), with and without
-  descriptors, each over its own grid of (BLOCK_M, BLOCK_N, warps, stages);
+  descriptors, each over its own grid of (BLOCK_M, BLOCK_N, warps, stages), and the Gluon
+  dk/dv kernel of ``nvidia.hopper_gluon`` (``gluon``: its one tile, over its buffer counts);
 
 and SDPA (cuDNN backend) forward and backward at the same shape for scale. Every candidate
 is checked against a reference kernel's output (pointer loads, 64 x 64 tiles) before it is
@@ -44,6 +45,7 @@ import triton
 
 from portable_kernels.kernels import _host
 from portable_kernels.kernels import flash_attn as fa
+from portable_kernels.kernels import flash_attn_gluon as fg
 from portable_kernels.launch import LaunchPlan
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -64,8 +66,16 @@ DQ = [(128, 32, 4, s) for s in (2, 3, 4, 5)] + [(128, 32, 8, s) for s in (2, 3)]
     + [(128, 64, 8, s) for s in (2, 3)] + [(64, 64, 4, s) for s in (2, 3, 4)] \
     + [(64, 32, 4, s) for s in (3, 5)] + [(128, 16, 4, 4), (128, 64, 4, 2), (32, 128, 8, 2)] \
     + [(128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 4, 3)]
-QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4]}
-PATHS = {"fwd": ("tma", "ptr", "ws"), "dkdv": ("tma", "ptr"), "dq": ("tma", "ptr")}
+# The Gluon dk/dv kernel: 64 queries per step, 128 keys (two consumer warpgroups), its
+# buffer count (BWD_STAGES) swept; the warps are its consumers'.
+DKDV_GLUON = [(64, 128, 4, s) for s in (2, 3, 4)]
+# The whole backward (preprocess, dk/dv, dq) of nvidia.hopper and of nvidia.hopper_gluon
+# with its dq kernel (gluon) or with dq added up in its dk/dv kernel (gluonq); the tile is
+# the Gluon kernel's, over its buffer counts.
+BWD = [(64, 128, 4, s) for s in (2, 3)]
+QUICK = {"fwd": FWD[:4], "dkdv": DKDV[:4], "dq": DQ[:4], "bwd": BWD[:1]}
+PATHS = {"fwd": ("tma", "ptr", "ws"), "dkdv": ("tma", "ptr", "gluon"), "dq": ("tma", "ptr"),
+         "bwd": ("hopper", "gluon", "gluonq")}
 
 
 def fits(kernel: str, tile, d: int) -> bool:
@@ -102,6 +112,11 @@ def hopper_configs() -> list:
 def candidates(args) -> list[tuple]:
     """Every (kernel, d, causal, path, tile) to compile and time."""
     def grid(kernel: str, d: int, path: str) -> list[tuple]:
+        # The Gluon kernel's one tile and the whole backward first: no table lists them.
+        if kernel == "bwd":
+            return BWD[:1] if path == "hopper" else BWD
+        if path == "gluon":
+            return DKDV_GLUON
         if args.table:
             return table_tiles(args.table, d)[kernel]
         if path == "ws":
@@ -111,7 +126,8 @@ def candidates(args) -> list[tuple]:
     return [(kernel, d, causal, path, tile)
             for kernel in args.kernels
             for d in args.dims for causal in (False, True) for path in PATHS[kernel]
-            for tile in grid(kernel, d, path) if fits(kernel, tile, d)]
+            for tile in grid(kernel, d, path)
+            if path.startswith(("gluon", "hopper")) or fits(kernel, tile, d)]
 
 
 def inputs(b, h, n, d, dtype, seed=0):
@@ -150,7 +166,15 @@ def run(kernel, tile, path, causal, q, k, v, do, out, lse, delta, base):
     tma = path != "ptr"
     if kernel == "fwd":
         return fa._forward(fwd_plan(base, tile, path), q, k, v, causal, scale)[0]
+    if kernel == "bwd":
+        fg.BWD_STAGES = stages
+        return fa._backward(bwd_plan(q, path), do, q, k, v, out, lse, causal, scale)
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
+        if kernel == "dkdv" and path == "gluon":
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            fg.BWD_STAGES = stages
+            fg.backward(q, k, v, do, lse, delta, dk, dv, causal, scale)
+            return dk, dv
         if kernel == "dkdv":
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             fa._launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, bm, bn, False, tma, opts)
@@ -158,6 +182,22 @@ def run(kernel, tile, path, causal, q, k, v, do, out, lse, delta, base):
         dq = torch.empty_like(q)
         fa._launch_dq(q, k, v, do, lse, delta, dq, causal, scale, bm, bn, False, tma, opts)
         return dq
+
+
+def bwd_plan(q, path: str) -> LaunchPlan:
+    """nvidia.hopper's plan, or nvidia.hopper_gluon's with GLUON_DQ as ``path`` says."""
+    plan = _PLANS.get(("bwd", q.shape[-1], q.dtype, path))
+    if plan is None:
+        fg.MIN_KEYS = 0  # the compile workers' short sequences too
+        name = "nvidia.hopper" if path == "hopper" else "nvidia.hopper_gluon"
+        with pk.use_variant(flash_attn=name):
+            chosen = pk.get_kernel("flash_attn").plan(q, q, q)
+        switches = dict(chosen.switches)
+        if path != "hopper":
+            switches["GLUON_DQ"] = path == "gluonq"
+        plan = _PLANS[("bwd", q.shape[-1], q.dtype, path)] = LaunchPlan(
+            chosen.variant, chosen.device, chosen.configs, switches)
+    return plan
 
 
 def state(b, h, n, d, dtype, causal, seed=0):
@@ -195,7 +235,8 @@ def compile_one(cand, dtype_name) -> str:
 def flops(kernel, b, h, n, d, causal) -> float:
     f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
     # dk/dv: 4 of the backward's 7 dots (K·Qᵀ, Pᵀ·dO, V·dOᵀ, dSᵀ·Q); dq: 3 (Q·Kᵀ, dO·Vᵀ, dS·K).
-    return {"fwd": f, "dkdv": f * 2.0, "dq": f * 1.5}[kernel]
+    # bwd: counted as SDPA's backward is, 2.5 forwards (5 dots), whichever dots it runs.
+    return {"fwd": f, "dkdv": f * 2.0, "dq": f * 1.5, "bwd": f * 2.5}[kernel]
 
 
 def sdpa_times(b, h, n, d, dtype, causal) -> dict:
@@ -224,7 +265,7 @@ def main() -> None:
     parser.add_argument("--table", action="store_true",
                         help="only the nvidia.hopper table's tiles, on every path (e.g. to "
                              "see which path its backward should take at this --n)")
-    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="which of fwd, dkdv, dq")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="which of fwd, dkdv, dq, bwd")
     args = parser.parse_args()
     args.dims = [int(x) for x in args.dims.split(",")]
     args.kernels = [x for x in args.kernels.split(",") if x]
@@ -252,8 +293,10 @@ def main() -> None:
             st = state(b, h, n, d, dtype, causal, seed=2)
             base = st[-1]
             # References: pointer-load candidates of 64 x 64 tiles (compiled with the rest).
-            refs = {kernel: joined(run(kernel, tile, "ptr", causal, *st)).float() for kernel, tile in
-                    (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 2)), ("dq", (64, 64, 4, 2)))
+            refs = {kernel: joined(run(kernel, tile, "hopper" if kernel == "bwd" else "ptr",
+                                       causal, *st)).float() for kernel, tile in
+                    (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 2)), ("dq", (64, 64, 4, 2)),
+                     ("bwd", BWD[0]))
                     if kernel in args.kernels}
             if "fwd" in args.kernels:  # partial tiles (N = 200) for the forward candidates
                 ragged = state(1, 2, 200, d, dtype, causal, seed=3)

@@ -9,7 +9,8 @@ Triton's JIT specializes them, then compiled for ``GPUTarget("cuda", 90, 32)`` w
 ptxas that ships with Triton, and nothing is launched.
 
 Families: ``flash_attn`` (``nvidia.hopper`` and the generic sm_90 table; forward and the
-three backward kernels, causal and not; ``nvidia.hopper_gluon``'s Gluon forward), ``matmul`` (``nvidia.persistent_tma`` and the
+three backward kernels, causal and not; ``nvidia.hopper_gluon``'s Gluon forward and dk/dv
+kernels), ``matmul`` (``nvidia.persistent_tma`` and the
 generic table), ``grouped_matmul`` (``nvidia.tma`` and generic). For each compiled kernel
 it prints shared memory, registers and local memory (spills) from the cubin, and fails when
 a kernel does not compile or needs more shared memory than the device has.
@@ -174,8 +175,8 @@ def flash_attn_cases(host, device, quick: bool):
                         fa._backward(plan, do, q, k, v, out, lse, causal, scale)
 
                     yield name, launch
-    # nvidia.hopper_gluon: its forward is Gluon (one tile, no table); the backward is
-    # nvidia.hopper's, compiled above.
+    # nvidia.hopper_gluon: its forward and dk/dv kernels are Gluon (one tile each, no
+    # table); the rest of its backward is nvidia.hopper's, compiled above.
     from portable_kernels.kernels import flash_attn_gluon as fg
 
     # Compiled on every Triton, also where the variant declines to run (TRITON_OK): a
@@ -188,6 +189,12 @@ def flash_attn_cases(host, device, quick: bool):
                 q = torch.empty(1, 2, 256, d, dtype=dtype)
                 yield name, (lambda q=q, causal=causal, d=d:
                              fg.forward(q, q, q, causal, 1.0 / math.sqrt(d)))
+                lse = torch.empty(1, 2, 256)
+                for acc in (None, torch.empty(1, 2, 256, d)):  # with dq added up in it
+                    yield (name.replace("forward", "dk/dv" if acc is None else "dk/dv/dq"), (
+                        lambda q=q, lse=lse, causal=causal, d=d, acc=acc:
+                        fg.backward(q, q, q, q, lse, lse, q, q, causal, 1.0 / math.sqrt(d),
+                                         dq_acc=acc)))
 
 
 def matmul_cases(host, device, quick: bool):

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import portable_kernels as pk
+from portable_kernels import plugins
 from conftest import DEVICE
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import flash_attn as fa
 from portable_kernels.kernels import flash_attn_gluon as fg
+from portable_kernels.launch import LaunchPlan
 from portable_kernels.testing import assert_close, tolerance
 from test_flash_attn_hopper import _check, _grad_tolerance, _inputs
 
@@ -102,6 +104,24 @@ def test_empty_sequences(device):
     kv = torch.randn(1, 2, 0, 64, device=device, dtype=torch.float16)
     assert not _forced(q, kv, kv, False).any()
     assert _forced(q[:, :, :0], q, q, True).shape == (1, 2, 0, 64)
+
+
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_fused"])
+@pytest.mark.parametrize("dims, causal", [((2, 4, 2, 200, 330, 128), True),
+                                          ((1, 4, 1, 390, 250, 64), False)], ids=str)
+def test_backward_with_and_without_the_fused_dq(dims, causal, fused_dq, device, gen, nan_empty):
+    """The Gluon dk/dv kernel with dq added up in it (GLUON_DQ, the variant's default) and
+    with the family's dq kernel after it, at both head dims: both against float64. Nq = 200 and 390 leave a partial block whose rows past Nq land in the
+    next head's part of dq's buffer: they must add zeros there."""
+    _skip_unless_gluon_runs(device, dims)
+    x = torch.empty(1, 1, 1, dims[5], device=device, dtype=torch.float16)
+    with pk.use_variant(**{NAME: GLUON}):
+        chosen = pk.get_kernel(NAME).plan(x, x, x)
+    assert chosen.switches["GLUON_DQ"] is True
+    plan = LaunchPlan(chosen.variant, chosen.device, chosen.configs,
+                      {**chosen.switches, "GLUON_DQ": fused_dq})
+    _check(lambda q, k, v, causal: fa.launch(plan, q, k, v, causal), dims, causal,
+           torch.float16, device, gen)
 
 
 def test_backward_takes_a_strided_incoming_gradient(device, gen):
@@ -193,10 +213,47 @@ def test_sm90_only_and_never_on_the_interpreter():
         assert sel.variant == GLUON
 
 
-def test_gluon_forward_is_a_host_switch():
-    """GLUON_FORWARD picks the launcher's forward; it never reaches a kernel's constexprs."""
-    v = fa.variant("x.y", switches={"GLUON_FORWARD": True})
-    assert v.switches["GLUON_FORWARD"] is True
-    assert "GLUON_FORWARD" not in fa.SWITCHES
+def test_gluon_kernels_are_host_switches():
+    """GLUON_FORWARD, GLUON_DKDV and GLUON_DQ pick the launcher's kernels; they never reach
+    a kernel's constexprs. The registered variant sets them all; nvidia.hopper none."""
+    gluon = {"GLUON_FORWARD": True, "GLUON_DKDV": True, "GLUON_DQ": True}
+    v = fa.variant("x.y", switches=gluon)
+    assert all(v.switches[name] is True for name in gluon)
+    assert not gluon.keys() & fa.SWITCHES.keys()
     with pytest.raises(ValueError, match="unknown switches"):
         fa.variant("x.y", switches={"GLUON": True})
+    variants = plugins.host().registry.variants[NAME]
+    assert all(variants[GLUON].switches[name] for name in gluon)
+    assert not any(variants["nvidia.hopper"].switches[name] for name in gluon)
+
+
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_fused"])
+def test_gluon_backward_wiring(fused_dq, monkeypatch):
+    """With GLUON_DKDV the backward's dk/dv come from flash_attn_gluon.backward (the
+    GPU tests above check its numbers) after the family's preprocess; with GLUON_DQ too,
+    dq is what that kernel added into its fp32 buffer, else the family's dq kernel's."""
+    calls = []
+
+    def fake(q, k, v, do, lse, delta, dk, dv, causal, scale, dq_acc=None):
+        calls.append((q.shape, k.shape, causal, scale, dq_acc is not None))
+        assert torch.allclose(delta, (out.float() * do.float()).sum(-1), atol=1e-5)
+        dk.fill_(1.0)
+        dv.fill_(2.0)
+        if dq_acc is not None:
+            assert dq_acc.dtype == torch.float32 and not dq_acc.any()
+            dq_acc.fill_(3.0)
+
+    monkeypatch.setattr(fg, "backward", fake)
+    q, k, v = (torch.randn(1, 2, 40, 64, device=DEVICE) for _ in range(3))
+    with pk.use_variant(**{NAME: "generic"}):
+        generic = pk.get_kernel(NAME).plan(q, k, v)
+    plan = LaunchPlan(generic.variant, generic.device, generic.configs,
+                      {**generic.switches, "GLUON_DKDV": True, "GLUON_DQ": fused_dq})
+    out, lse = fa._forward(plan, q, k, v, True, 0.125)
+    dq, dk, dv = fa._backward(plan, torch.randn_like(out), q, k, v, out, lse, True, 0.125)
+    assert calls == [(q.shape, k.shape, True, 0.125, fused_dq)]
+    assert (dk == 1.0).all() and (dv == 2.0).all()
+    if fused_dq:
+        assert (dq == 3.0).all()
+    else:  # the family's dq kernel: finite and not the fake's value
+        assert dq.isfinite().all() and not (dq == 3.0).any()

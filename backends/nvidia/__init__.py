@@ -134,12 +134,14 @@ def pk_register_variants(registry):
     registry.add_variant(flash_attn.variant(
         "nvidia.hopper_gluon", requires={"tensor_descriptor", "warp_specialize", "wgmma"},
         priority=110, accepts=_gluon_accepts,
-        # The backward is nvidia.hopper's (TMA on, its tiles: the table below shares them).
-        switches={"TMA": True, "WARP_SPECIALIZE": False, "GLUON_FORWARD": True},
+        # The backward's preprocess is nvidia.hopper's (TMA on, its tiles: the table below
+        # shares them); one Gluon kernel computes dk, dv and dq.
+        switches={"TMA": True, "WARP_SPECIALIZE": False, "GLUON_FORWARD": True,
+                  "GLUON_DKDV": True, "GLUON_DQ": True},
         configs=tuning.flash_attn_hopper,
         description="forward written in Gluon (flash_attn_gluon.py), FlashAttention-3's "
         "schedule: a TMA producer warp and two consumer warpgroups as separate partitions "
         "with explicit barriers, scores of the next key block issued before P·V of this one; "
-        "copies through 4-D host descriptors; backward as nvidia.hopper; Triton 3.6, CUDA, "
+        "copies through 4-D host descriptors; the backward's dk/dv kernel the same way (dq as nvidia.hopper); Triton 3.6, CUDA, "
         "fp16/bf16, D 64 or 128, aligned strides, Nk >= 4096 (else nvidia.hopper, with the "
         "reason in explain)"))

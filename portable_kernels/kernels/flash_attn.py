@@ -117,11 +117,13 @@ SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": F
             "TMA": False, "WARP_SPECIALIZE": False}
 #: Switches a descriptor variant's config may set for its (autotuned) forward.
 _CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
-#: Switches the host launcher reads, never passed to a kernel. GLUON_FORWARD
-#: (nvidia.hopper_gluon): the forward runs ``flash_attn_gluon``'s kernel instead of this
-#: module's; the backward stays this module's. Its variant's predicate must be
-#: :func:`gluon_accepts`.
-HOST_SWITCHES = {"GLUON_FORWARD": False}
+#: Switches the host launcher reads, never passed to a kernel (nvidia.hopper_gluon sets
+#: them; its predicate must be :func:`gluon_accepts`). GLUON_FORWARD: the forward runs
+#: ``flash_attn_gluon``'s kernel instead of this module's. GLUON_DKDV: so does the
+#: backward's dk/dv kernel (the preprocess stays this module's). GLUON_DQ (with
+#: GLUON_DKDV): that kernel also adds dq up, in fp32, and this module's dq kernel does
+#: not run.
+HOST_SWITCHES = {"GLUON_FORWARD": False, "GLUON_DKDV": False, "GLUON_DQ": False}
 
 #: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
 #: padding, for which its sm_90 configs are compiled and tuned.
@@ -952,7 +954,8 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
     # too short to repay that, and a descriptor variant's config may say from which length
     # on the backward takes descriptors.
     tma = plan.switches["TMA"] and max(n_q, n_k) >= setup.tma_min_seq
-    if tma and _descriptor_issue(d, do, do, do):
+    gluon = plan.switches["GLUON_DKDV"]
+    if (tma or gluon) and _descriptor_issue(d, do, do, do):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
         # (an expanded scalar's gradient has zero strides): one copy makes it describable.
         do = do.contiguous()
@@ -962,9 +965,18 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
         out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
         BLOCK_M=dq_m, BLOCK_D=block_d, PAD_D=pad_d, **dq_opts,
     )
+    if gluon and plan.switches["GLUON_DQ"]:
+        # dq's shares from every key tile meet in fp32, rounded once at the end.
+        dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
+        flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale,
+                                  dq_acc=dq_acc)
+        return dq.copy_(dq_acc), dk, dv
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
-        _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                     upcast, tma, dkdv_opts, plan)
+        if gluon:
+            flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale)
+        else:
+            _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
+                         upcast, tma, dkdv_opts, plan)
         _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts, plan)
     return dq, dk, dv
 

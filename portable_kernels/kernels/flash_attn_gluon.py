@@ -44,9 +44,11 @@ from __future__ import annotations
 import torch
 import triton
 from triton.experimental import gluon
+from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import _host
@@ -76,6 +78,18 @@ MIN_KEYS = 4096
 _LOG2E = 1.4426950408889634
 # Gluon is experimental: Triton 3.7+ renamed the TMA load (3.9 removed the old name).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """Triton 3.6's copy-engine reduction (``cp.reduce.async.bulk.tensor`` add): its
+    builder has the op, its Gluon no function for it (later releases: async_atomic_add)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 #: The Triton releases this kernel has run and been checked on. It also compiles for sm_90
 #: under 3.9 (``ci/sm90_compile.py``, as CI installs it), but Gluon is experimental and its
 #: lowering may change what the kernel relies on (one mbarrier arrival per consumer
@@ -307,14 +321,241 @@ def _flash_attn_fwd_gluon_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# --- backward: dk and dv -------------------------------------------------------------------
+#
+# The family's backward is a dk/dv kernel (keys held, queries streamed) and a dq kernel
+# (queries held, keys streamed). The dk/dv kernel is the larger one (4 of the 7 products)
+# and, in Triton, ran its one warpgroup's four products in lockstep with the loads; this is
+# its FlashAttention-3 schedule: a producer warp streams the query-side tiles (Q and dO) of
+# every query head of the GQA group, and two consumer warpgroups, 64 keys each, keep their
+# dk and dv in registers. A step computes the transposed scores (keys as MMA rows), so that
+# Pᵀ and dSᵀ are already the A operands of dv += Pᵀ·dO and dk += dSᵀ·Q, from registers.
+
+#: Keys per consumer warpgroup, queries per step, and the Q/dO buffers in flight.
+BWD_BLOCK_N = 64
+BWD_BLOCK_M = 64
+BWD_STAGES = 2
+#: dk and dv take 128 of a D=128 consumer's registers; the step's scores, dP and operands
+#: the rest (24 + 240 + 248 = 512, the producer's warpgroup included).
+BWD_CONSUMER_REGS = 240
+
+
+@gluon.jit
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                  ready, empty, b, kvh, start_n, GROUP, j_lo, n_j, TILE_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [b, kvh, start_n, 0], kv_bar, k_smem.reshape([1, 1, TILE_N, HEAD_D]))
+    _tma_load(v_desc, [b, kvh, start_n, 0], kv_bar, v_smem.reshape([1, 1, TILE_N, HEAD_D]))
+    for it in range(GROUP * n_j):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        g = it // n_j
+        row = (j_lo + it - g * n_j) * BLOCK_M
+        h = kvh * GROUP + g
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, row, 0], ready.index(s),
+                  q_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
+        _tma_load(do_desc, [b, h, row, 0], ready.index(s),
+                  do_bufs.index(s).reshape([1, 1, BLOCK_M, HEAD_D]))
+
+
+@gluon.jit
+def _bwd_step(k_smem, k_wg, v_wg, q_bufs, do_bufs, ds_bufs, dq_smem, dq_desc, ready, empty,
+              ds_full, it, dk, dv, lse_row, delta_row, b, h, H, start_m, start_key, N_Q,
+              sm_scale, qk_scale, WG: gl.constexpr, MASK: gl.constexpr,
+              FUSED_DQ: gl.constexpr, s_layout: gl.constexpr,
+              a_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """One query block against the warpgroup's keys: dk and dv updated; with ``FUSED_DQ``
+    the block's dq share, dS·K over the tile's keys, added into dq's fp32 buffer."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    q_buf = q_bufs.index(s)
+    do_buf = do_bufs.index(s)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_t = warpgroup_mma(k_wg, q_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_wg, do_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_t = warpgroup_mma_wait(1, deps=[s_t])
+    # Queries past Nq (zeros the copy engine read) get LSE = +inf: their P is exactly 0.
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    lse = gl.load(lse_row + offs_m, mask=offs_m < N_Q, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(delta_row + offs_m, mask=offs_m < N_Q, other=0.0)
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+    if MASK:  # causal: a key after the query is hidden
+        offs_n = start_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        p_t = gl.where(gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1), p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(q_bufs.dtype), a_layout)
+    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(q_bufs.dtype)
+    if FUSED_DQ:
+        # dq needs dS with queries as the MMA's rows: the transpose of what the registers
+        # hold, so dSᵀ goes through shared memory, both warpgroups' halves into one buffer.
+        ds_buf = ds_bufs.index(it % 2)
+        ds_buf.slice(WG * BLOCK_N, BLOCK_N, dim=0).store(ds_t)
+        fence_async_shared()
+    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_buf, dk, is_async=True)
+    if FUSED_DQ:
+        # Each warpgroup takes half of dq's columns over all the tile's keys, once both
+        # halves of dSᵀ are in. Two buffers: a warpgroup writes buffer it % 2 only after
+        # passing this barrier at it - 1, so the other is done reading it at it - 2.
+        mbarrier.arrive(ds_full.index(it % 2), count=1)
+        mbarrier.wait(ds_full.index(it % 2), (it // 2) & 1)
+        HALF_D: gl.constexpr = HEAD_D // 2
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False,
+                           is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=[dq, dk, dv])
+        mbarrier.arrive(empty.index(s), count=1)
+        # The copy engine adds the block into dq's fp32 buffer while the warpgroup goes on
+        # (atomic adds from registers ran 15-25% slower, H200, 2026-11-30); it must have
+        # read the last step's block first.
+        tma.store_wait(0)
+        dq_smem.store(dq * sm_scale)
+        fence_async_shared()
+        # 128-byte swizzled rows (conflict-free stores) take one copy per 32 columns.
+        # dq's buffer is seen as (B·H·Nq, D): a block's rows past Nq spill into the next
+        # head's and add zeros there (their dS rows are 0: P is, and dO read as 0).
+        for c in gl.static_range(HALF_D // 32):
+            _tma_add(dq_desc, [(b * H + h) * N_Q + start_m, WG * HALF_D + c * 32],
+                     dq_smem.slice(c * 32, 32, dim=1))
+    else:
+        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+        mbarrier.arrive(empty.index(s), count=1)
+    return it + 1, dk, dv
+
+
+@gluon.jit
+def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, dq_desc, kv_bar, ready,
+                  empty, ds_full, dk_base, dv_base, stride_dkn, stride_dvn, lse_base,
+                  delta_base, H, b, kvh, start_n, GROUP, j_lo, n_j, N_Q, N_K, sm_scale,
+                  qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
+                  TILE_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Warpgroup ``WG``'s 64 keys: every query block of the group's heads, then dk, dv."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D // 2, 16])
+    start_key = start_n + WG * BLOCK_N
+    k_wg = k_smem.slice(WG * BLOCK_N, BLOCK_N, dim=0)
+    v_wg = v_smem.slice(WG * BLOCK_N, BLOCK_N, dim=0)
+    dq_smem = dq_bufs.index(WG)
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    # Query blocks that reach below the tile's first key need the causal mask.
+    n_masked = gl.minimum(gl.cdiv(TILE_N, BLOCK_M), n_j) if CAUSAL else 0
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GROUP):
+        row = (kvh * GROUP + g) * N_Q
+        lse_row = lse_base + row
+        delta_row = delta_base + row
+        for j in range(j_lo, j_lo + n_masked):
+            it, dk, dv = _bwd_step(
+                k_smem, k_wg, v_wg, q_bufs, do_bufs, ds_bufs, dq_smem, dq_desc, ready, empty,
+                ds_full, it, dk, dv, lse_row, delta_row, b, kvh * GROUP + g, H,
+                j * BLOCK_M, start_key, N_Q, sm_scale, qk_scale, WG, True, FUSED_DQ,
+                s_layout, a_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+        for j in range(j_lo + n_masked, j_lo + n_j):
+            it, dk, dv = _bwd_step(
+                k_smem, k_wg, v_wg, q_bufs, do_bufs, ds_bufs, dq_smem, dq_desc, ready, empty,
+                ds_full, it, dk, dv, lse_row, delta_row, b, kvh * GROUP + g, H,
+                j * BLOCK_M, start_key, N_Q, sm_scale, qk_scale, WG, False, FUSED_DQ,
+                s_layout, a_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+
+    if FUSED_DQ:
+        tma.store_wait(0)  # the last copy has read its block before the program ends
+
+    # Keys past Nk (zeros the copy engine read) are computed and not stored.
+    offs_n = start_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    keep = gl.expand_dims(offs_n < N_K, 1)
+    rows = gl.expand_dims(offs_n, 1)
+    gl.store(dk_base + rows * stride_dkn + gl.expand_dims(offs_d, 0),
+             (dk * sm_scale).to(dk_base.dtype.element_ty), mask=keep)
+    gl.store(dv_base + rows * stride_dvn + gl.expand_dims(offs_d, 0),
+             dv.to(dv_base.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _flash_attn_bwd_gluon_kernel(
+        q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV, stride_dkb,
+        stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, H, H_KV, GROUP, N_Q, N_K,
+        sm_scale, qk_scale, CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    TILE_N: gl.constexpr = 2 * BLOCK_N  # two consumer warpgroups
+    start_n = gl.program_id(0) * TILE_N
+    bhk = gl.program_id(1)
+    b = bhk // H_KV
+    kvh = bhk % H_KV
+    # Causal, top-left aligned: queries before the tile's first key see none of its keys.
+    j_lo = start_n // BLOCK_M if CAUSAL else 0
+    n_j = gl.maximum(gl.cdiv(N_Q, BLOCK_M) - j_lo, 0)
+
+    dtype: gl.constexpr = q_desc.dtype
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                rank=2)
+    k_smem = gl.allocate_shared_memory(dtype, [TILE_N, HEAD_D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [TILE_N, HEAD_D], layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], layout)
+    # dSᵀ of the tile's keys for the dq product (a placeholder row when not FUSED_DQ).
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, TILE_N if FUSED_DQ else 1, BLOCK_M], layout)
+    # Each warpgroup's fp32 dq block for the copy engine's reduction.
+    dq_rows: gl.constexpr = BLOCK_M if FUSED_DQ else 1
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, dq_rows, HEAD_D // 2], _DQ_LAYOUT_2D)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer partition
+    for s in gl.static_range(2):
+        mbarrier.init(ds_full.index(s), count=2)
+
+    dk_base = DK + b * stride_dkb + kvh * stride_dkh
+    dv_base = DV + b * stride_dvb + kvh * stride_dvh
+    lse_base = Lse + b * H * N_Q
+    delta_base = Delta + b * H * N_Q
+    gl.warp_specialize([
+        (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, dq_desc, kv_bar,
+                         ready, empty, ds_full, dk_base, dv_base, stride_dkn, stride_dvn,
+                         lse_base, delta_base, H, b, kvh, start_n, GROUP, j_lo, n_j,
+                         N_Q, N_K, sm_scale, qk_scale, 0, CAUSAL, FUSED_DQ, TILE_N,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+        (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, dq_desc, kv_bar,
+                         ready, empty, ds_full, dk_base, dv_base, stride_dkn, stride_dvn,
+                         lse_base, delta_base, H, b, kvh, start_n, GROUP, j_lo, n_j,
+                         N_Q, N_K, sm_scale, qk_scale, 1, CAUSAL, FUSED_DQ, TILE_N,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+        (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs,
+                         kv_bar, ready, empty, b, kvh, start_n, GROUP, j_lo, n_j, TILE_N,
+                         BLOCK_M, HEAD_D, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 #: The descriptors' shared-memory layout: 128-byte swizzle for 16-bit rows of 64 or 128.
 _DESCRIPTOR_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+#: dq's fp32 blocks, copied 32 columns (128 bytes) at a time.
+_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+_DQ_LAYOUT_2D = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                  rank=2))
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A host descriptor of ``t`` (B, H, N, D) with [1, 1, rows, D] boxes."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]],
-                            _DESCRIPTOR_LAYOUT)
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
+                layout=_DESCRIPTOR_LAYOUT) -> TensorDescriptor:
+    """A host descriptor of ``t`` (B, H, N, D) with [1, 1, rows, cols or D] boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()),
+                            [1, 1, rows, cols or t.shape[3]], layout)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -335,3 +576,27 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
     return out, lse
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+             causal: bool, scale: float, dq_acc: torch.Tensor | None = None) -> None:
+    """Writes dk and dv (B, H_kv, Nk, D), contiguous, in k's dtype, summed over each GQA
+    group, for q and do (B, H, Nq, D), k and v (B, H_kv, Nk, D) as :func:`forward` takes
+    them (do too), lse and delta fp32 (B, H, Nq) contiguous (delta = rowsum(dO ∘ O)).
+    With ``dq_acc``, fp32 (B, H, Nq, D) contiguous and zeroed, it also adds dq into it
+    (in no fixed order: the bits of dq may differ between runs)."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    tile_n = 2 * BWD_BLOCK_N
+    q_desc = _descriptor(q, BWD_BLOCK_M)
+    fused = dq_acc is not None
+    dq_desc = (TensorDescriptor(dq_acc.view(-1, d), [b * h * n_q, d], [d, 1], [BWD_BLOCK_M, 32],
+                                _DQ_LAYOUT) if fused else q_desc)
+    _flash_attn_bwd_gluon_kernel[(_host.cdiv(n_k, tile_n), b * h_kv)](
+        q_desc, _descriptor(k, tile_n), _descriptor(v, tile_n), _descriptor(do, BWD_BLOCK_M),
+        dq_desc, lse, delta, dk, dv,
+        *dk.stride()[:3], *dv.stride()[:3], h, h_kv, h // h_kv, n_q, n_k, scale,
+        scale * _LOG2E, CAUSAL=causal, FUSED_DQ=fused, BLOCK_M=BWD_BLOCK_M,
+        BLOCK_N=BWD_BLOCK_N, HEAD_D=d, STAGES=BWD_STAGES, CONSUMER_REGS=BWD_CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
