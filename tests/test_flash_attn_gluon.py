@@ -111,8 +111,9 @@ def test_empty_sequences(device):
                                           ((1, 4, 1, 390, 250, 64), False)], ids=str)
 def test_backward_with_and_without_the_fused_dq(dims, causal, fused_dq, device, gen, nan_empty):
     """The Gluon dk/dv kernel with dq added up in it (GLUON_DQ, the variant's default) and
-    with the family's dq kernel after it, at both head dims: both against float64. Nq = 200 and 390 leave a partial block whose rows past Nq land in the
-    next head's part of dq's buffer: they must add zeros there."""
+    with the family's dq kernel after it, at both head dims: both against float64. Nq = 200
+    and 390 leave a partial block whose rows past Nq land in the next head's part of dq's
+    buffer: they must add zeros there."""
     _skip_unless_gluon_runs(device, dims)
     x = torch.empty(1, 1, 1, dims[5], device=device, dtype=torch.float16)
     with pk.use_variant(**{NAME: GLUON}):

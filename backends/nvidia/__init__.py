@@ -8,7 +8,7 @@ Capabilities follow the compute capability: ``mma`` from sm_70, ``bf16`` from sm
 Emulation profiles: ``h100``, ``h200``, ``a100``.
 
 ``nvidia.hopper_gluon`` (flash_attn) ranks above ``nvidia.hopper`` and takes only sm_90 and
-the problems its Gluon forward covers; the rest go to ``nvidia.hopper``.
+the problems its Gluon forward and backward cover; the rest go to ``nvidia.hopper``.
 """
 from __future__ import annotations
 
@@ -139,9 +139,10 @@ def pk_register_variants(registry):
         switches={"TMA": True, "WARP_SPECIALIZE": False, "GLUON_FORWARD": True,
                   "GLUON_DKDV": True, "GLUON_DQ": True},
         configs=tuning.flash_attn_hopper,
-        description="forward written in Gluon (flash_attn_gluon.py), FlashAttention-3's "
-        "schedule: a TMA producer warp and two consumer warpgroups as separate partitions "
-        "with explicit barriers, scores of the next key block issued before P·V of this one; "
-        "copies through 4-D host descriptors; the backward's dk/dv kernel the same way (dq as nvidia.hopper); Triton 3.6, CUDA, "
+        description="forward and backward written in Gluon (flash_attn_gluon.py), "
+        "FlashAttention-3's schedules: a TMA producer warp and two consumer warpgroups as "
+        "separate partitions with explicit barriers; forward: scores of the next key block "
+        "issued before P·V of this one; backward: dk, dv and dq in one kernel, dq added up "
+        "in fp32 by the copy engine; copies through 4-D host descriptors; Triton 3.6, CUDA, "
         "fp16/bf16, D 64 or 128, aligned strides, Nk >= 4096 (else nvidia.hopper, with the "
         "reason in explain)"))

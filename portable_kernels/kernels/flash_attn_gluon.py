@@ -1,17 +1,18 @@
-"""flash_attn's Hopper forward written in Gluon (FlashAttention-3's schedule), for
-``nvidia.hopper_gluon``.
+"""flash_attn's Hopper forward and backward written in Gluon (FlashAttention-3's schedules),
+for ``nvidia.hopper_gluon``.
 
-Why a second forward kernel: the family's Triton forward (``flash_attn.py``) cannot get
-sm_90's overlap of the softmax with the matrix products from Triton 3.6. Its
-warp-specialized loop (``WARP_SPECIALIZE``) computed wrong outputs on the H200, and without
-it the compiler runs each program's warpgroups in lockstep, one CTA barrier per key block
-(see docs/performance.md). Gluon, Triton's lower-level language that ships with it, states
-the partitions, barriers and asynchronous MMAs by hand, so this kernel is written in it.
+Why second kernels: the family's Triton kernels (``flash_attn.py``) cannot get sm_90's
+overlap of the softmax with the matrix products from Triton 3.6. Its warp-specialized loop
+(``WARP_SPECIALIZE``) computed wrong outputs on the H200, and without it the compiler runs
+each program's warpgroups in lockstep, one CTA barrier per key block (see
+docs/performance.md). Gluon, Triton's lower-level language that ships with it, states the
+partitions, barriers and asynchronous MMAs by hand, so these kernels are written in it.
 The math is the family's: the same online softmax with exp2 and the scale folded in, the
-same ``out`` and ``lse`` (fp32, natural log, (B, H, Nq)) contract, so the family's
-backward kernels run unchanged after it.
+same ``out`` and ``lse`` (fp32, natural log, (B, H, Nq)) contract and the same ``delta``
+(the family's preprocess kernel computes it), so either side runs with the family's other.
 
-One program per 128 query rows of one (batch, head), split in three partitions:
+Forward (:func:`forward`). One program per 128 query rows of one (batch, head), split in
+three partitions:
 
 - a producer warp issues the copy-engine (TMA) loads: the query tile once, then the K and V
   tiles of each 128-key block into ``STAGES`` shared-memory buffers, each guarded by a
@@ -32,6 +33,16 @@ per box, so any 16-byte aligned strides work and rows past Nq or Nk read as zero
 masked in the first and last blocks, rows not stored. (Descriptors built per (batch, head)
 on the device, as ``nvidia.hopper`` does, ran at 0.95 and 0.99x cuDNN at D=128 in a separate
 run, against 0.98 for these; each program waits for its own before its first copy.)
+
+Backward (:func:`backward`, below the forward). One program per 128 keys of one (batch,
+KV head), a producer warp streaming the query side (Q and dO blocks of 64 rows, every head
+of the GQA group) past two consumer warpgroups of 64 keys each, which keep dk and dv in
+registers. A step computes the transposed scores (keys as MMA rows), so that Pᵀ and dSᵀ
+are register A operands of dv += Pᵀ·dO and dk += dSᵀ·Q. With ``FUSED_DQ`` (the variant's
+``GLUON_DQ``), dq is added up in the same kernel, 5 products instead of the family's 7:
+dSᵀ goes through shared memory, each warpgroup takes half of dq's columns over the tile's
+keys, and the copy engine adds the fp32 block into a zeroed (B, H, Nq, D) buffer, so dq's
+bits depend on the order the tiles' adds land in.
 
 Limits (``gluon_accepts`` in ``flash_attn.py``, the NVIDIA backend's ``accepts`` and
 :func:`issue`): sm_90 CUDA tensors (Gluon does not run under Triton's interpreter), Triton
@@ -321,15 +332,7 @@ def _flash_attn_fwd_gluon_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# --- backward: dk and dv -------------------------------------------------------------------
-#
-# The family's backward is a dk/dv kernel (keys held, queries streamed) and a dq kernel
-# (queries held, keys streamed). The dk/dv kernel is the larger one (4 of the 7 products)
-# and, in Triton, ran its one warpgroup's four products in lockstep with the loads; this is
-# its FlashAttention-3 schedule: a producer warp streams the query-side tiles (Q and dO) of
-# every query head of the GQA group, and two consumer warpgroups, 64 keys each, keep their
-# dk and dv in registers. A step computes the transposed scores (keys as MMA rows), so that
-# Pᵀ and dSᵀ are already the A operands of dv += Pᵀ·dO and dk += dSᵀ·Q, from registers.
+# --- backward: dk, dv and (FUSED_DQ) dq; the module docstring has the layout of the work ---
 
 #: Keys per consumer warpgroup, queries per step, and the Q/dO buffers in flight.
 BWD_BLOCK_N = 64
