@@ -78,6 +78,10 @@ STAGES = 2
 #: = 65536 / 128), so no partition's register increase can wait forever.
 CONSUMER_REGS = 232
 PRODUCER_REGS = 24
+#: The consumers take turns to issue their products (FlashAttention-3's ping-pong). Timed
+#: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
+#: 1% either way at D=128 (``bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1``).
+PINGPONG = True
 #: The fewest keys a call must have for the variant to take it. Each program streams all
 #: Nk keys after a fixed set-up (barriers, the query tile, the first block's scores alone)
 #: and before a fixed epilogue, which a short key loop does not amortize. On the H200
@@ -198,14 +202,21 @@ def _issue_pv(p_op, v_bufs, v_ready, o, j, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, i, o, p_op, alpha, m_i,
-          l_i, qk_scale, start_m, N_K, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          RAW_MAX: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-          p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr):
+def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, i, o, p_op, alpha,
+          m_i, l_i, qk_scale, start_m, N_K, WG: gl.constexpr, MASK: gl.constexpr,
+          CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    if PINGPONG:
+        # The warpgroups take turns to issue their two products, so that one's softmax
+        # runs while the other's products do (warpgroup 0 goes first: the fresh barrier's
+        # phase 1 counts as done).
+        mbarrier.wait(turn.index(WG), (i & 1) ^ WG)
     qk = _issue_scores(q_smem, k_bufs, k_ready, i, s_layout, BLOCK_M, BLOCK_N, STAGES)
     o = _rescale(o, alpha, o_layout)
     o = _issue_pv(p_op, v_bufs, v_ready, o, i - 1, STAGES)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
     qk = warpgroup_mma_wait(1, deps=[qk])
     mbarrier.arrive(k_empty.index(i % STAGES), count=1)
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m, i * BLOCK_N, N_K, MASK,
@@ -218,11 +229,11 @@ def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, i, o, p_op
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_base,
-              stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+              o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
               WG: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr):
+              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup ``WG``'s 64 query rows: the key loop, then ``out`` and ``lse``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -249,14 +260,16 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     # Blocks every row of the tile sees in full, then the causal diagonal and the key tail.
     for i in range(1, n_full):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                         v_empty, i, o, p_op, alpha, m_i, l_i, qk_scale,
-                                         start_m, N_K, False, CAUSAL, RAW_MAX, s_layout,
-                                         o_layout, p_layout, BLOCK_M, BLOCK_N, STAGES)
+                                         v_empty, turn, i, o, p_op, alpha, m_i, l_i, qk_scale,
+                                         start_m, N_K, WG, False, CAUSAL, RAW_MAX, PINGPONG,
+                                         s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
+                                         STAGES)
     for i in range(gl.maximum(n_full, 1), n_blocks):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                         v_empty, i, o, p_op, alpha, m_i, l_i, qk_scale,
-                                         start_m, N_K, True, CAUSAL, RAW_MAX, s_layout,
-                                         o_layout, p_layout, BLOCK_M, BLOCK_N, STAGES)
+                                         v_empty, turn, i, o, p_op, alpha, m_i, l_i, qk_scale,
+                                         start_m, N_K, WG, True, CAUSAL, RAW_MAX, PINGPONG,
+                                         s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
+                                         STAGES)
     last = n_blocks - 1
     o = _rescale(o, alpha, o_layout)
     o = _issue_pv(p_op, v_bufs, v_ready, o, last, STAGES)
@@ -278,7 +291,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
 def _flash_attn_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, Out, Lse, stride_ob, stride_oh, stride_on,
         H, GROUP, N_Q, N_K, qk_scale,
-        CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, BLOCK_M: gl.constexpr,
+        CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
+        BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # Causal tiles near the end of the sequence see the most keys: launch them first.
@@ -308,7 +322,10 @@ def _flash_attn_fwd_gluon_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    for w in gl.static_range(2):
+        mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -320,12 +337,12 @@ def _flash_attn_fwd_gluon_kernel(
     o_base = Out + b * stride_ob + h * stride_oh
     lse_base = Lse + bh * N_Q
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_base,
-                     stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale, 0,
-                     CAUSAL, RAW_MAX, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_base,
-                     stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale, 1,
-                     CAUSAL, RAW_MAX, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                     o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
+                     0, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                     o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
+                     1, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty,
                      v_ready, v_empty, b, h, kvh, tile_m, n_blocks, TILE_M, BLOCK_N, HEAD_D,
                      STAGES)),
@@ -575,8 +592,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     _flash_attn_fwd_gluon_kernel[(_host.cdiv(n_q, TILE_M), b * h)](
         _descriptor(q, TILE_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
         *out.stride()[:3], h, h // h_kv, n_q, n_k, scale * _LOG2E,
-        CAUSAL=causal, RAW_MAX=scale > 0, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=d,
-        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        HEAD_D=d, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
     return out, lse
 
