@@ -189,12 +189,26 @@ def flash_attn_cases(host, device, quick: bool):
                 q = torch.empty(1, 2, 256, d, dtype=dtype)
                 yield name, (lambda q=q, causal=causal, d=d:
                              fg.forward(q, q, q, causal, 1.0 / math.sqrt(d)))
+                if d == 64:  # long key loops at D=64 take three consumer warpgroups
+                    yield (name.replace("forward", "forward, 3 consumers"),
+                           lambda q=q, causal=causal: _three_consumers(fg, q, causal))
                 lse = torch.empty(1, 2, 256)
                 for acc in (None, torch.empty(1, 2, 256, d)):  # with dq added up in it
                     yield (name.replace("forward", "dk/dv" if acc is None else "dk/dv/dq"), (
                         lambda q=q, lse=lse, causal=causal, d=d, acc=acc:
                         fg.backward(q, q, q, q, lse, lse, q, q, causal, 1.0 / math.sqrt(d),
                                          dq_acc=acc)))
+
+
+def _three_consumers(fg, q, causal: bool) -> None:
+    """The Gluon forward with the three consumer warpgroups it takes at D=64 from
+    ``D64_CONSUMERS_MIN_KEYS`` keys on, on a short sequence."""
+    kept = fg.D64_CONSUMERS_MIN_KEYS
+    fg.D64_CONSUMERS_MIN_KEYS = 0
+    try:
+        fg.forward(q, q, q, causal, 0.125)
+    finally:
+        fg.D64_CONSUMERS_MIN_KEYS = kept
 
 
 def matmul_cases(host, device, quick: bool):

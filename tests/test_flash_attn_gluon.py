@@ -72,6 +72,18 @@ def test_forced_matches_reference_bf16(dims, causal, device, gen, nan_empty):
     _check(_forced, dims, causal, torch.bfloat16, device, gen)
 
 
+@pytest.mark.parametrize("dims", [(2, 4, 2, 200, 330, 64), (1, 2, 1, 390, 250, 64),
+                                  (1, 2, 2, 384, 384, 64)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_three_consumers_at_d64(dims, causal, device, gen, nan_empty, monkeypatch):
+    """Long key loops at D=64 take three consumer warpgroups (192 query rows, ping-pong
+    among three); forced here on short ones: ragged, GQA, causal Nq > Nk and Nq = Nk."""
+    _skip_unless_gluon_runs(device, dims)
+    monkeypatch.setattr(fg, "D64_CONSUMERS_MIN_KEYS", 0)
+    assert fg.D64_CONSUMERS == 3
+    _check(_forced, dims, causal, torch.float16, device, gen)
+
+
 @pytest.mark.parametrize("sm_scale", [0.3, -0.2, 0.0], ids=["positive", "negative", "zero"])
 def test_scales_and_lse(sm_scale, device, gen, nan_empty):
     """A non-positive scale takes the scale-first softmax (the raw-score max is only right

@@ -66,17 +66,26 @@ from . import _host
 
 #: Query rows per consumer warpgroup (sm_90's MMA works on 64-row blocks).
 BLOCK_M = 64
-#: A program's query rows: one block per consumer warpgroup, two of them.
-TILE_M = 2 * BLOCK_M
+#: Consumer warpgroups per program at D=64 (a program's query rows: one 64-row block per
+#: consumer) when a program's mean key loop, Nk or Nk / 2 when causal, reaches
+#: ``D64_CONSUMERS_MIN_KEYS``; below it, and at D=128 (three would not fit the registers),
+#: two. Three share each K/V block among 192 queries, FlashAttention-3's D=64 tile: timed in
+#: alternation with two on the H200 (fp16, B·H·N = 128·4096 and 32·16384, 2026-11-30,
+#: ``bench/flash_attn_gluon_ab.py --knob D64_CONSUMERS=2,3 --dims 64``), 10-13% faster for
+#: full attention and 6% for causal at N=16384, 4% slower causal at N=4096, where programs
+#: average 2048 keys and the fewer, longer tiles balance worse.
+D64_CONSUMERS = 3
+D64_CONSUMERS_MIN_KEYS = 4096
 #: Keys per block, and the K/V buffers in flight. A 128-key block with two buffers measured
 #: fastest at D=64 and D=128 (64-key blocks with 3 or 4 buffers: 10-12% slower, 2026-11-30).
 BLOCK_N = 128
 STAGES = 2
-#: Registers per thread of each consumer warpgroup. Four warps per partition, rounded up for
-#: the 1-warp producer: 12 warps of 170 registers at launch; with the producer at 24 and a
-#: worker consumer at 232, the default consumer gets the remaining 256 (24 + 232 + 256 = 512
-#: = 65536 / 128), so no partition's register increase can wait forever.
-CONSUMER_REGS = 232
+#: Registers per thread of each worker consumer warpgroup, by consumer count. Four warps
+#: per partition, rounded up for the 1-warp producer: with two consumers 12 warps of 170
+#: registers at launch; with the producer at 24 and the worker consumer at 232, the default
+#: consumer gets the remaining 256 (24 + 232 + 256 = 512 = 65536 / 128), so no partition's
+#: register increase can wait forever. With three: 24 + 2 × 160 + 168.
+CONSUMER_REGS = {2: 232, 3: 160}
 PRODUCER_REGS = 24
 #: The consumers take turns to issue their products (FlashAttention-3's ping-pong). Timed
 #: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
@@ -124,14 +133,18 @@ def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-              v_ready, v_empty, b, h, kvh, tile_m, n_blocks, TILE_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+              v_ready, v_empty, b, h, kvh, tile_m, n_blocks, CONSUMERS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr):
     # The descriptors are 4-D, (B, H, N, D) with [1, 1, rows, D] boxes: the copy engine
     # reads zeros past each head's N, so a tile never reads into the next head. The
-    # buffers are 2-D for the MMAs; the copies write them through 4-D views.
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [b, h, tile_m, 0], q_bar, q_smem.reshape([1, 1, TILE_M, HEAD_D]))
+    # buffers are 2-D for the MMAs; the copies write them through 4-D views. One query box
+    # per consumer (a box's rows must be a power of two; three consumers hold 192).
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for w in gl.static_range(CONSUMERS):
+        _tma_load(q_desc, [b, h, tile_m + w * BLOCK_M, 0], q_bar,
+                  q_bufs.index(w).reshape([1, 1, BLOCK_M, HEAD_D]))
     for i in range(n_blocks):
         s = i % STAGES
         # Barriers start in phase 1 done, so the first pass through the buffers waits on
@@ -203,20 +216,21 @@ def _issue_pv(p_op, v_bufs, v_ready, o, j, STAGES: gl.constexpr):
 
 @gluon.jit
 def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, i, o, p_op, alpha,
-          m_i, l_i, qk_scale, start_m, N_K, WG: gl.constexpr, MASK: gl.constexpr,
-          CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
+          m_i, l_i, qk_scale, start_m, N_K, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+          MASK: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
+          PINGPONG: gl.constexpr,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     if PINGPONG:
         # The warpgroups take turns to issue their two products, so that one's softmax
         # runs while the other's products do (warpgroup 0 goes first: the fresh barrier's
         # phase 1 counts as done).
-        mbarrier.wait(turn.index(WG), (i & 1) ^ WG)
+        mbarrier.wait(turn.index(WG), (i & 1) ^ (WG > 0))
     qk = _issue_scores(q_smem, k_bufs, k_ready, i, s_layout, BLOCK_M, BLOCK_N, STAGES)
     o = _rescale(o, alpha, o_layout)
     o = _issue_pv(p_op, v_bufs, v_ready, o, i - 1, STAGES)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     qk = warpgroup_mma_wait(1, deps=[qk])
     mbarrier.arrive(k_empty.index(i % STAGES), count=1)
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m, i * BLOCK_N, N_K, MASK,
@@ -229,11 +243,11 @@ def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, i, o
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
               o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
-              WG: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+              WG: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup ``WG``'s 64 query rows: the key loop, then ``out`` and ``lse``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -241,7 +255,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_wg = q_smem.slice(WG * BLOCK_M, BLOCK_M, dim=0)
+    q_wg = q_bufs.index(WG)
     start_m = tile_m + WG * BLOCK_M
 
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_layout)
@@ -261,13 +275,15 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     for i in range(1, n_full):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                                          v_empty, turn, i, o, p_op, alpha, m_i, l_i, qk_scale,
-                                         start_m, N_K, WG, False, CAUSAL, RAW_MAX, PINGPONG,
+                                         start_m, N_K, WG, CONSUMERS, False, CAUSAL,
+                                         RAW_MAX, PINGPONG,
                                          s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
                                          STAGES)
     for i in range(gl.maximum(n_full, 1), n_blocks):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                                          v_empty, turn, i, o, p_op, alpha, m_i, l_i, qk_scale,
-                                         start_m, N_K, WG, True, CAUSAL, RAW_MAX, PINGPONG,
+                                         start_m, N_K, WG, CONSUMERS, True, CAUSAL,
+                                         RAW_MAX, PINGPONG,
                                          s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
                                          STAGES)
     last = n_blocks - 1
@@ -292,16 +308,16 @@ def _flash_attn_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, Out, Lse, stride_ob, stride_oh, stride_on,
         H, GROUP, N_Q, N_K, qk_scale,
         CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr):
     # Causal tiles near the end of the sequence see the most keys: launch them first.
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     kvh = h // GROUP
-    TILE_M: gl.constexpr = 2 * BLOCK_M  # two consumer warpgroups
+    TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
     tile_m = pid_m * TILE_M
     if CAUSAL:
         n_blocks = gl.minimum(gl.cdiv(tile_m + TILE_M, BLOCK_N), gl.cdiv(N_K, BLOCK_N))
@@ -314,7 +330,7 @@ def _flash_attn_fwd_gluon_kernel(
     # The swizzle the descriptors' layout has, for 2-D buffers (rows of 128 or 256 bytes).
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                 rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [TILE_M, HEAD_D], layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -322,31 +338,52 @@ def _flash_attn_fwd_gluon_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for w in gl.static_range(2):
+    for w in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         # One arrival per consumer partition: Triton 3.6 synchronizes the partition's
         # warps and arrives from its first thread.
-        mbarrier.init(k_empty.index(s), count=2)
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
     o_base = Out + b * stride_ob + h * stride_oh
     lse_base = Lse + bh * N_Q
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                     o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
-                     0, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                     o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
-                     1, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                     v_ready, v_empty, b, h, kvh, tile_m, n_blocks, TILE_M, BLOCK_N, HEAD_D,
-                     STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
+                         qk_scale, 0, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
+                         qk_scale, 1, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
+                         qk_scale, 2, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready,
+                         k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, CONSUMERS,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
+                         qk_scale, 0, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
+                         qk_scale, 1, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready,
+                         k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, CONSUMERS,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --- backward: dk, dv and (FUSED_DQ) dq; the module docstring has the layout of the work ---
@@ -589,12 +626,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
     # Through Triton's JIT launch: the plan's direct launches key on tensors, and these
     # arguments are descriptors (built per call: they hold the tensors' addresses).
-    _flash_attn_fwd_gluon_kernel[(_host.cdiv(n_q, TILE_M), b * h)](
-        _descriptor(q, TILE_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
+    mean_keys = n_k // 2 if causal else n_k
+    consumers = D64_CONSUMERS if d == 64 and mean_keys >= D64_CONSUMERS_MIN_KEYS else 2
+    tile_m = consumers * BLOCK_M
+    _flash_attn_fwd_gluon_kernel[(_host.cdiv(n_q, tile_m), b * h)](
+        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
         *out.stride()[:3], h, h // h_kv, n_q, n_k, scale * _LOG2E,
-        CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        HEAD_D=d, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4)
+        CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, CONSUMERS=consumers,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=STAGES,
+        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
 
 
