@@ -17,11 +17,12 @@ three partitions:
 - a producer warp issues the copy-engine (TMA) loads: the query tile once, then the K and V
   tiles of each 128-key block into ``STAGES`` shared-memory buffers, each guarded by a
   "ready" barrier (the copy's bytes arrived) and an "empty" barrier (every consumer is done);
-- two consumer warpgroups, each its own partition with 64 query rows. Their barriers and
-  arrivals involve only their own four warps, so one warpgroup's softmax runs while the
-  other's products occupy the tensor cores, instead of both waiting at a CTA barrier. With
-  the two warpgroups in one 8-warp partition the kernel ran at 0.82× the split one at D=128
-  (H200, 2026-11-30).
+- two consumer warpgroups (three at D=64 for long key loops, :data:`D64_CONSUMERS`), each
+  its own partition with 64 query rows. Their barriers and arrivals involve only their own
+  four warps, so one warpgroup's softmax runs while the other's products occupy the tensor
+  cores, instead of both waiting at a CTA barrier; they take turns to issue their products
+  (:data:`PINGPONG`). With the two warpgroups in one 8-warp partition the kernel ran at
+  0.82× the split one at D=128 (H200, 2026-11-30).
 
 In each consumer, key block i runs FlashAttention-3's intra-warpgroup order: the scores
 ``q·kᵢᵀ`` are issued, the output rescaled for block i-1, ``P₍ᵢ₋₁₎·V₍ᵢ₋₁₎`` issued behind
