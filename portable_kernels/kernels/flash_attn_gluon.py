@@ -11,8 +11,8 @@ The math is the family's: the same online softmax with exp2 and the scale folded
 same ``out`` and ``lse`` (fp32, natural log, (B, H, Nq)) contract and the same ``delta``
 (the family's preprocess kernel computes it), so either side runs with the family's other.
 
-Forward (:func:`forward`). One program per 128 query rows of one (batch, head), split in
-three partitions:
+Forward (:func:`forward`). One program per 128 query rows (192 with three consumers) of
+one (batch, head), split in partitions:
 
 - a producer warp issues the copy-engine (TMA) loads: the query tile once, then the K and V
   tiles of each 128-key block into ``STAGES`` shared-memory buffers, each guarded by a
