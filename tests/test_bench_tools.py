@@ -74,6 +74,13 @@ def test_benches_exit_with_the_reason_without_a_gpu(script, tests):
     assert f"bench/{script}.py measures NVIDIA GPUs" in proc.stderr and tests in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+def test_gluon_ab_exits_with_the_reason_without_an_sm90_gpu():
+    proc = subprocess.run([sys.executable, str(BENCH / "flash_attn_gluon_ab.py"),
+                           "--knob", "PINGPONG=0,1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "no sm_90 GPU here" in proc.stderr
+
+
 def test_matmul_bench_cold_rotates_operand_copies():
     bench = _load("matmul")
     copies = [(i, -i) for i in range(3)]
@@ -101,9 +108,28 @@ def test_sweep_candidates_fit_the_registers():
     assert {c[0] for c in cands} == {"fwd", "dkdv", "dq"}
     assert {c[3] for c in cands if c[0] == "fwd"} == {"tma", "ptr", "ws"}
     assert all(c[4] in sweep.FWD_WS for c in cands if c[3] == "ws")
-    assert all(sweep.fits(kernel, tile, d) for kernel, d, _, _, tile in cands)
+    # The Gluon dk/dv kernel has one tile and its own register budget (set in its module).
+    assert {c[4] for c in cands if c[3] == "gluon"} == set(sweep.DKDV_GLUON)
+    assert all(sweep.fits(kernel, tile, d) for kernel, d, _, path, tile in cands if path != "gluon")
     # dk/dv holds two fp32 accumulators of BLOCK_N x D: 128 keys at D=128 need 8 warps.
     assert not sweep.fits("dkdv", (32, 128, 4, 3), 128) and sweep.fits("dkdv", (32, 128, 8, 3), 128)
+
+
+def test_sweep_whole_backward_candidates():
+    """``--kernels bwd`` times nvidia.hopper's backward once and nvidia.hopper_gluon's, with
+    its dq kernel and with dq fused, over the Gluon kernel's buffer counts, counted as 2.5
+    forwards like SDPA's backward."""
+    sweep = _load("flash_attn_sweep")
+
+    class Args:
+        dims, quick, kernels, table = [64, 128], False, ["bwd"], None
+
+    cands = sweep.candidates(Args)
+    for d in (64, 128):
+        for causal in (False, True):
+            paths = [c[3] for c in cands if c[1:3] == (d, causal)]
+            assert sorted(paths) == sorted(["hopper"] + ["gluon", "gluonq"] * len(sweep.BWD))
+    assert sweep.flops("bwd", 1, 1, 64, 64, False) == 2.5 * sweep.flops("fwd", 1, 1, 64, 64, False)
 
 
 def test_sweep_table_tiles_are_the_ones_the_launcher_takes():
@@ -123,14 +149,15 @@ def test_sweep_table_tiles_are_the_ones_the_launcher_takes():
         cfg = next(c for c in configs if c.kwargs["ROW_BYTES_MAX"] >= 2 * d)  # fp16 rows
         dkdv_m, dkdv_n, dq_m, dq_n = fa._backward_blocks(cfg)
         dkdv, dq = fa._options(cfg, "dkdv"), fa._options(cfg, "dq")
-        tiles = {(c[0], c[4]) for c in cands if c[1] == d}
+        tiles = {(c[0], c[4]) for c in cands if c[1] == d and c[3] != "gluon"}
         assert ("dkdv", (dkdv_m, dkdv_n, dkdv["num_warps"], dkdv["num_stages"])) in tiles
         assert ("dq", (dq_m, dq_n, dq["num_warps"], dq["num_stages"])) in tiles
         assert len({t for k, t in tiles if k != "fwd"}) <= 2
         forward = {t for k, t in tiles if k == "fwd"}
         assert (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages) in forward
-        # every path (descriptors and pointers, both orders of causal) for each tile
-        assert {c[3] for c in cands if c[1] == d and c[0] == "dkdv"} == {"tma", "ptr"}
+        # every path (descriptors and pointers, both orders of causal) for each tile, and
+        # the Gluon dk/dv kernel (no table: its own tile) beside them
+        assert {c[3] for c in cands if c[1] == d and c[0] == "dkdv"} == {"tma", "ptr", "gluon"}
 
 
 def test_autotuner_timer_falls_back_when_capture_fails(monkeypatch):
