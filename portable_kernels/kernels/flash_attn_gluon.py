@@ -353,6 +353,9 @@ def _flash_attn_fwd_gluon_kernel(
 
     o_base = Out + b * stride_ob + h * stride_oh
     lse_base = Lse + bh * N_Q
+    # Written out per consumer count: Triton 3.6's Gluon takes the partitions as literal
+    # (function, arguments) tuples, and constexprs in a tuple built by concatenation lose
+    # their constness.
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
