@@ -123,7 +123,7 @@ _CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
 #: backward's dk/dv kernel (the preprocess stays this module's). GLUON_DQ (with
 #: GLUON_DKDV): that kernel also adds dq up, in fp32 and in no fixed order, and this
 #: module's dq kernel does not run; without it dq is bitwise reproducible (and the
-#: backward 10-15% slower on the H200 at D=128).
+#: backward 5-8% slower on the H200 at D=64, 16-19% at D=128).
 HOST_SWITCHES = {"GLUON_FORWARD": False, "GLUON_DKDV": False, "GLUON_DQ": False}
 
 #: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
