@@ -196,6 +196,52 @@ def test_forcing_an_unsupported_problem_raises(name):
             pk.get_kernel(NAME)(*args)
 
 
+class _Launches:
+    """Stands in for a Gluon kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize("d, causal, n_k, consumers", [
+    (64, False, 4096, 3), (64, True, 8192, 3), (64, True, 4096, 2), (64, False, 4095, 2),
+    (128, False, 16384, 2)], ids=str)
+def test_forward_consumers_follow_the_mean_key_loop(d, causal, n_k, consumers, monkeypatch):
+    """Three consumer warpgroups (192 query rows a program) only at D=64 and only when a
+    program's mean key loop, Nk or Nk/2 causal, reaches D64_CONSUMERS_MIN_KEYS; each count
+    with its register split. Host logic only: the launch is recorded, not run."""
+    launches = _Launches()
+    monkeypatch.setattr(fg, "_flash_attn_fwd_gluon_kernel", launches)
+    q = torch.empty(2, 4, 1000, d, dtype=torch.float16)
+    k = torch.empty(2, 4, n_k, d, dtype=torch.float16)
+    fg.forward(q, k, k, causal, 0.125)
+    (grid, _, kwargs), = launches.calls
+    assert kwargs["CONSUMERS"] == consumers
+    assert kwargs["CONSUMER_REGS"] == fg.CONSUMER_REGS[consumers]
+    assert grid == (-(-1000 // (64 * consumers)), 2 * 4)
+
+
+def test_backward_launch_fuses_dq_only_with_its_buffer(monkeypatch):
+    """dk/dv alone, or with dq's fp32 buffer described as (B·H·Nq, D) in 32-column boxes."""
+    launches = _Launches()
+    monkeypatch.setattr(fg, "_flash_attn_bwd_gluon_kernel", launches)
+    q = torch.empty(2, 4, 300, 128, dtype=torch.float16)
+    k = torch.empty(2, 2, 500, 128, dtype=torch.float16)
+    lse = torch.empty(2, 4, 300)
+    fg.backward(q, k, k, q, lse, lse, k, k, True, 0.1)
+    acc = torch.zeros(2, 4, 300, 128)
+    fg.backward(q, k, k, q, lse, lse, k, k, True, 0.1, dq_acc=acc)
+    (grid, plain, plain_kw), (_, fused, fused_kw) = launches.calls
+    assert grid == (-(-500 // 128), 2 * 2)
+    assert plain_kw["FUSED_DQ"] is False and fused_kw["FUSED_DQ"] is True
+    dq_desc = fused[4]
+    assert list(dq_desc.shape) == [2 * 4 * 300, 128] and list(dq_desc.block_shape) == [64, 32]
+    assert dq_desc.base.data_ptr() == acc.data_ptr()
+
+
 def test_short_key_sequences_stay_on_nvidia_hopper(monkeypatch):
     """Below MIN_KEYS (Nk=1024 measured slower than nvidia.hopper) the variant declines,
     naming the threshold; from it on it takes the call."""
