@@ -9,6 +9,10 @@ For each head dim and causal setting, at one (B, H, N) and fp16 or bf16, it time
 - the dk/dv and the dq backward kernels (``_launch_dkdv``, ``_launch_dq``), with and without
   descriptors, each over its own grid of (BLOCK_M, BLOCK_N, warps, stages), and the Gluon
   dk/dv kernel of ``nvidia.hopper_gluon`` (``gluon``: its one tile, over its buffer counts);
+- with ``--kernels bwd``, whole backwards (``flash_attn._backward``: preprocess, dk/dv, dq):
+  ``nvidia.hopper``'s (``hopper``, also the reference of this kernel) and
+  ``nvidia.hopper_gluon``'s with the family's dq kernel (``gluon``) or with dq fused
+  (``gluonq``), counted as 2.5 forwards like SDPA's backward;
 
 and SDPA (cuDNN backend) forward and backward at the same shape for scale. Every candidate
 is checked against a reference kernel's output (pointer loads, 64 x 64 tiles) before it is
@@ -19,7 +23,7 @@ cache; the timing process then loads them.
 
     python bench/flash_attn_sweep.py [--dims 64,128] [--n 4096] [--batch 4] [--heads 32]
                                      [--dtype fp16] [--jobs 12] [--out PREFIX] [--quick]
-                                     [--kernels fwd,dkdv,dq] [--table]
+                                     [--kernels fwd,dkdv,dq,bwd] [--table]
 
 Prints, per (D, causal) and kernel, the fastest settings and their TFLOP/s; writes every
 timing to ``PREFIX.json``. This is a tuning tool: its winners go into the NVIDIA backend's
