@@ -571,7 +571,7 @@ def _flash_attn_bwd_gluon_kernel(
     ds_bufs = gl.allocate_shared_memory(dtype, [2, TILE_N if FUSED_DQ else 1, BLOCK_M], layout)
     # Each warpgroup's fp32 dq block for the copy engine's reduction.
     dq_rows: gl.constexpr = BLOCK_M if FUSED_DQ else 1
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, dq_rows, HEAD_D // 2], _DQ_LAYOUT_2D)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, dq_rows, HEAD_D // 2], _DQ_LAYOUT)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -607,9 +607,10 @@ def _flash_attn_bwd_gluon_kernel(
 #: The descriptors' shared-memory layout: 128-byte swizzle for 16-bit rows of 64 or 128.
 _DESCRIPTOR_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 #: dq's fp32 blocks, copied 32 columns (128 bytes) at a time.
-_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-_DQ_LAYOUT_2D = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
-                                                  rank=2))
+#: The kernel's buffer and the host descriptor share it (a kernel reads a global only as a
+#: constexpr).
+_DQ_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                               rank=2))
 
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
@@ -656,7 +657,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     q_desc = _descriptor(q, BWD_BLOCK_M)
     fused = dq_acc is not None
     dq_desc = (TensorDescriptor(dq_acc.view(-1, d), [b * h * n_q, d], [d, 1], [BWD_BLOCK_M, 32],
-                                _DQ_LAYOUT) if fused else q_desc)
+                                _DQ_LAYOUT.value) if fused else q_desc)
     _flash_attn_bwd_gluon_kernel[(_host.cdiv(n_k, tile_n), b * h_kv)](
         q_desc, _descriptor(k, tile_n), _descriptor(v, tile_n), _descriptor(do, BWD_BLOCK_M),
         dq_desc, lse, delta, dk, dv,
