@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _host, flash_attn_gluon
+from . import _gluon, _host, flash_attn_gluon
 
 NAME = "flash_attn"
 
@@ -743,12 +743,9 @@ def tma_accepts(problem: Problem, device) -> str | None:
 def gluon_accepts(problem: Problem, device) -> str | None:
     """Predicate of the Gluon forward (``GLUON_FORWARD``): a CUDA device, Triton 3.6, a
     large enough call (:func:`flash_attn_gluon.issue`) and the descriptor predicate."""
-    if problem.device.type != "cuda":
-        return (f"tensors on {problem.device.type}: Gluon kernels run only on CUDA devices "
-                "(Triton's interpreter does not run them)")
-    if not flash_attn_gluon.TRITON_OK:
-        return (f"checked on Triton 3.6 only: Gluon is experimental, and triton "
-                f"{triton.__version__} has not run this kernel on a GPU (TRITON_OK)")
+    reason = _gluon.runs_here(problem.device.type)
+    if reason:
+        return reason
     if problem.gluon_issue:
         return problem.gluon_issue
     return tma_accepts(problem, device)

@@ -1,0 +1,35 @@
+"""What the Gluon kernels (``flash_attn_gluon.py``, ``matmul_gluon.py``) share: the names of
+the copy-engine operations across Triton releases, the releases the kernels were checked on,
+and the part of their predicates that is about where Gluon runs at all.
+
+Gluon is Triton's lower-level language (explicit layouts, partitions, barriers and
+asynchronous MMAs). It is experimental: its operations were renamed between releases, and
+it does not run under Triton's interpreter.
+"""
+from __future__ import annotations
+
+import triton
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+# Triton 3.7+ renamed the copy-engine load and store (3.9 removed the old load's name).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+#: The Triton releases the Gluon kernels have run and been checked on. They also compile for
+#: sm_90 under 3.9 (``ci/sm90_compile.py``, as CI installs it), but Gluon is experimental and
+#: its lowering may change what the kernels rely on (one mbarrier arrival per consumer
+#: partition, as 3.6 lowers it), so elsewhere the Gluon variants decline and the Triton
+#: kernels serve until a GPU run checks them.
+TRITON_OK = triton.__version__.startswith("3.6.")
+
+
+def runs_here(device_type: str) -> str | None:
+    """Why a Gluon kernel cannot run for tensors on ``device_type`` with this Triton, or
+    None when it can."""
+    if device_type != "cuda":
+        return (f"tensors on {device_type}: Gluon kernels run only on CUDA devices "
+                "(Triton's interpreter does not run them)")
+    if not TRITON_OK:
+        return (f"checked on Triton 3.6 only: Gluon is experimental, and triton "
+                f"{triton.__version__} has not run this kernel on a GPU (TRITON_OK)")
+    return None
