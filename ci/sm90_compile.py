@@ -10,10 +10,11 @@ ptxas that ships with Triton, and nothing is launched.
 
 Families: ``flash_attn`` (``nvidia.hopper`` and the generic sm_90 table; forward and the
 three backward kernels, causal and not; ``nvidia.hopper_gluon``'s Gluon forward and dk/dv
-kernels), ``matmul`` (``nvidia.persistent_tma`` and the
-generic table), ``grouped_matmul`` (``nvidia.tma`` and generic). For each compiled kernel
-it prints shared memory, registers and local memory (spills) from the cubin, and fails when
-a kernel does not compile or needs more shared memory than the device has.
+kernels), ``matmul`` (``nvidia.persistent_tma``, the generic table and
+``nvidia.hopper_gluon``'s Gluon kernel), ``grouped_matmul`` (``nvidia.tma`` and generic).
+For each compiled kernel it prints shared memory, registers and local memory (spills) from the cubin, and fails when
+a kernel does not compile, needs more shared memory than the device has, or (Gluon kernels,
+whose MMAs are scheduled by hand) has its warpgroup MMAs serialized by ptxas.
 
     python ci/sm90_compile.py [--quick] [--families flash_attn,matmul] [--markdown OUT]
 
@@ -84,16 +85,36 @@ class Compiler:
             bound, specialization, options = binder(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(
                 self.backend, kwargs, bound, specialization, options)
-            source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
-            src = source(fn, signature, constexprs, attrs)
+            gluon = getattr(fn, "is_gluon", lambda: False)()
+            src = (GluonASTSource if gluon else ASTSource)(fn, signature, constexprs, attrs)
             compiled = triton.compile(src, target=TARGET, options=options.__dict__)
             row.shared = compiled.metadata.shared
             row.regs, row.local = self._resource_usage(compiled)
             if row.shared > self.shared_limit:
                 row.error = f"shared memory {row.shared} B > {self.shared_limit} B"
+            elif gluon:
+                row.error = self._serialized(compiled)
         except Exception as exc:  # recorded; the summary fails the run
             row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
         self.rows.append(row)
+
+    def _serialized(self, compiled) -> str:
+        """ptxas's warning that it serialized warpgroup MMAs, or "". The Gluon kernels
+        schedule their MMAs by hand, one in flight behind the next; when registers of an
+        MMA in flight are touched before its wait, ptxas waits after every MMA instead
+        (seen: the Gluon matmul at 0.83-0.89x its unserialized speed, H200, 2026-11-30).
+        Triton does not show ptxas's warnings, so its PTX is assembled again here."""
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        if not tool.exists():
+            return ""
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "kernel.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            log = subprocess.run([str(tool), "-v", "--gpu-name", "sm_90a", str(ptx), "-o",
+                                  str(Path(tmp) / "kernel.cubin")],
+                                 capture_output=True, text=True).stderr
+        warning = next((line for line in log.splitlines() if "are serialized" in line), "")
+        return f"ptxas serialized its MMAs: {warning.split(':', 2)[-1].strip()[:160]}" if warning else ""
 
     def _resource_usage(self, compiled) -> tuple[int | None, int | None]:
         """Registers and STACK + LOCAL bytes, from ``cuobjdump --dump-resource-usage``."""
@@ -239,6 +260,20 @@ def matmul_cases(host, device, quick: bool):
                 b = torch.empty(512, 512, dtype=dtype)
                 b = b.t() if layout == "col" else b
                 yield name, (lambda plan=plan, a=a, b=b: mm.launch(plan, a, b))
+    # nvidia.hopper_gluon's Gluon kernel (one tile, no table), every operand layout;
+    # compiled on every Triton, also where the variant declines to run (TRITON_OK).
+    from portable_kernels.kernels import matmul_gluon as mg
+
+    for dtype in dtypes:
+        for a_col in (False, True):
+            for b_col in (False, True):
+                a = torch.empty(512, 512, dtype=dtype)
+                b = torch.empty(512, 512, dtype=dtype)
+                a, b = (a.t() if a_col else a), (b.t() if b_col else b)
+                name = (f"matmul/nvidia.hopper_gluon {str(dtype)[6:]} "
+                        f"a {'col' if a_col else 'row'}-major, b {'col' if b_col else 'row'}-major")
+                out = torch.empty(512, 512, dtype=dtype)
+                yield name, (lambda a=a, b=b, out=out: mg.matmul(a, b, out, device.num_sms))
 
 
 def grouped_matmul_cases(host, device, quick: bool):

@@ -7,8 +7,9 @@ Capabilities follow the compute capability: ``mma`` from sm_70, ``bf16`` from sm
 
 Emulation profiles: ``h100``, ``h200``, ``a100``.
 
-``nvidia.hopper_gluon`` (flash_attn) ranks above ``nvidia.hopper`` and takes only sm_90 and
-the problems its Gluon forward and backward cover; the rest go to ``nvidia.hopper``.
+``nvidia.hopper_gluon`` ranks above ``nvidia.hopper`` (flash_attn) and
+``nvidia.persistent_tma`` (matmul) and takes only sm_90 and the problems its Gluon kernels
+cover; the rest go to those.
 """
 from __future__ import annotations
 
@@ -82,15 +83,16 @@ def _hopper_priority(device: DeviceInfo) -> int:
     return 100 if device.has("wgmma") else -10
 
 
-def _gluon_accepts(problem, device: DeviceInfo) -> str | None:
-    """``flash_attn.gluon_accepts`` on sm_90 only: the Gluon forward states sm_90's
-    warpgroup MMAs itself, which later NVIDIA parts do not have (Triton's ``tl.dot`` maps
-    to their own instructions; Gluon does not)."""
-    from portable_kernels.kernels import flash_attn
+def _on_sm90(gluon_accepts):
+    """A family's ``gluon_accepts`` on sm_90 only: the Gluon kernels state sm_90's
+    warpgroup MMAs themselves, which later NVIDIA parts do not have (Triton's ``tl.dot``
+    maps to their own instructions; Gluon does not)."""
+    def accepts(problem, device: DeviceInfo) -> str | None:
+        if device.arch != "sm_90":
+            return f"written for sm_90's warpgroup MMA instructions, which {device.arch} lacks"
+        return gluon_accepts(problem, device)
 
-    if device.arch != "sm_90":
-        return f"written for sm_90's warpgroup MMA instructions, which {device.arch} lacks"
-    return flash_attn.gluon_accepts(problem, device)
+    return accepts
 
 
 @hookimpl
@@ -109,6 +111,18 @@ def pk_register_variants(registry):
         description="persistent grid of min(SMs, tiles) in grouped order; TMA loads and "
         "stores through device-side tensor descriptors; warp-specialized K loop; epilogue "
         "subtiling; split-K where the output has too few tiles"))
+    registry.add_variant(Variant(
+        "matmul", "nvidia.hopper_gluon", matmul.launch,
+        requires={"tensor_descriptor", "warp_specialize", "wgmma"}, priority=110,
+        accepts=_on_sm90(matmul.gluon_accepts),
+        switches={"TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True, "UPCAST": False,
+                  "GLUON": True},
+        configs=tuning.matmul_persistent_tma,
+        description="written in Gluon (matmul_gluon.py), CUTLASS's cooperative schedule: a "
+        "persistent grid in grouped order, a TMA producer warp and two consumer warpgroups "
+        "sharing 128x256 tiles, explicit barriers, the output stored by the copy engine "
+        "while the next tile runs; Triton 3.6, CUDA, fp16/bf16, aligned strides, at least "
+        "MIN_TILES output tiles (else nvidia.persistent_tma, with the reason in explain)"))
     registry.add_variant(Variant(
         "grouped_matmul", "nvidia.tma", grouped_matmul.launch,
         requires={"tensor_descriptor"}, priority=_hopper_priority,
@@ -133,7 +147,7 @@ def pk_register_variants(registry):
         "in explain)"))
     registry.add_variant(flash_attn.variant(
         "nvidia.hopper_gluon", requires={"tensor_descriptor", "warp_specialize", "wgmma"},
-        priority=110, accepts=_gluon_accepts,
+        priority=110, accepts=_on_sm90(flash_attn.gluon_accepts),
         # The backward's preprocess is nvidia.hopper's (TMA on, its tiles: the table below
         # shares them); one Gluon kernel computes dk, dv and dq.
         switches={"TMA": True, "WARP_SPECIALIZE": False, "GLUON_FORWARD": True,

@@ -3,6 +3,8 @@ need aligned rows (tensor descriptors) skip the shapes they do not accept, sayin
 fp8 cases skip on devices without the ``fp8`` capability."""
 from __future__ import annotations
 
+import torch
+
 from portable_kernels.conformance.harness import DEFAULT_DTYPES, Inputs, KernelSuite, Shape, randn
 from portable_kernels.kernels import _host
 from portable_kernels.kernels.matmul import out_dtype
@@ -34,6 +36,10 @@ SUITE = KernelSuite(
         Shape("gap_33x40x24", mnk=(33, 40, 24), a="gap", b="padded"),  # NaN between and past elements
         Shape("0x8x8", mnk=(0, 8, 8)),                               # empty output
         Shape("5x7x0", mnk=(5, 7, 0)),                               # K = 0: zeros
+        # 156 output tiles of 128x256, tails in M and N: enough for nvidia.hopper_gluon
+        # (MIN_TILES); b column-major, as an (N, K) weight's transpose.
+        Shape("b_t_1544x2824x72", mnk=(1544, 2824, 72), b="transposed",
+              dtypes=(torch.float16, torch.bfloat16)),
     ),
 )
 

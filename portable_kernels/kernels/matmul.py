@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _counters, _host, _tiles
+from . import _counters, _gluon, _host, _tiles, matmul_gluon
 
 NAME = "matmul"
 
@@ -81,6 +81,10 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
 #: Switches a config may set, overriding the variant's (see the module docstring). Turning
 #: TMA off is always safe: the pointer path takes any layout the descriptor path takes.
 CONFIG_SWITCHES = ("TMA", "PERSISTENT")
+#: Switches the host launcher reads, never passed to the kernel. GLUON (``nvidia.hopper_gluon``,
+#: whose predicate must be :func:`gluon_accepts`): the product runs ``matmul_gluon``'s
+#: kernel instead of this module's.
+HOST_SWITCHES = ("GLUON",)
 
 
 def _matmul_launch_metadata(grid, kernel, args) -> dict:
@@ -271,6 +275,21 @@ class Problem(NamedTuple):
     a_layout: str     # _host.tma_layout(a): "row", "col" or "" (no descriptor can take it)
     b_layout: str
     n_aligned: bool   # output rows (N elements) are a multiple of 16 bytes: a TMA store fits
+    gluon_issue: str  # why matmul_gluon's kernel does not take a call of this size, or ""
+
+
+def _gluon_issue(a, b) -> str:
+    """Why the Gluon kernel leaves ``a @ b`` to this module's by its size, or "". Fixed
+    messages (no sizes in them), so that the selection cache keeps few entries."""
+    if a.dim() != 2 or b.dim() != 2:
+        return ""  # the launcher's checks name the problem
+    if a.shape[1] == 0:
+        return "K is 0: the output is all zeros"
+    if matmul_gluon.tiles(a.shape[0], b.shape[1]) < matmul_gluon.MIN_TILES:
+        return (f"fewer than MIN_TILES={matmul_gluon.MIN_TILES} output tiles of "
+                f"{matmul_gluon.BLOCK_M}x{matmul_gluon.BLOCK_N}: some SMs would idle, where "
+                "the Triton kernel splits K")
+    return ""
 
 
 def problem(a, b) -> Problem:
@@ -278,7 +297,9 @@ def problem(a, b) -> Problem:
     device = _host.same_device(NAME, a=a, b=b)
     # Output rows of N elements: 2 bytes each for fp8 operands (bf16 output).
     n_aligned = b.dim() == 2 and (b.shape[1] * max(2, b.element_size())) % 16 == 0
-    return Problem(device, a.dtype, _host.tma_layout(a), _host.tma_layout(b), n_aligned)
+    return Problem(device, a.dtype, _host.tma_layout(a), _host.tma_layout(b), n_aligned,
+                   # Only CUDA tensors can take the Gluon kernel: skip its checks elsewhere.
+                   _gluon_issue(a, b) if device.type == "cuda" else "")
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
@@ -293,6 +314,20 @@ def tma_accepts(problem: Problem, device) -> str | None:
     if not problem.n_aligned:
         return "output rows (N elements) are not a multiple of 16 bytes, which a TMA store needs"
     return _host.dtype_supported(problem, device)
+
+
+def gluon_accepts(problem: Problem, device) -> str | None:
+    """Predicate of the Gluon kernel (``GLUON``): a CUDA device, Triton 3.6, 16-bit
+    operands, enough output tiles (:func:`_gluon_issue`) and the descriptor predicate."""
+    reason = _gluon.runs_here(problem.device.type)
+    if reason:
+        return reason
+    if problem.dtype not in matmul_gluon.DTYPES:
+        return (f"{_host._dtype_name(problem.dtype)} operands take the Triton kernel (the "
+                "Gluon one takes float16 and bfloat16)")
+    if problem.gluon_issue:
+        return problem.gluon_issue
+    return tma_accepts(problem, device)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -386,7 +421,7 @@ def _tuned_kernel(plan, itemsize: int) -> _Tuned:
     entry, every config carries those switches (the variant's values where it sets none)
     and the launch passes the rest; otherwise the launch passes every switch."""
     def build():
-        switches = plan.switches
+        switches = {k: v for k, v in plan.switches.items() if k not in HOST_SWITCHES}
         configs = operand_configs(plan.configs, itemsize)
         if any(name in c.kwargs for c in configs for name in CONFIG_SWITCHES):
             defaults = {name: switches.get(name, False) for name in CONFIG_SWITCHES}
@@ -435,6 +470,8 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if K == 0:
         return out.zero_()
     num_sms = plan.device.num_sms
+    if plan.switches.get("GLUON"):
+        return matmul_gluon.matmul(a, b, out, num_sms)
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]

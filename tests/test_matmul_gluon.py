@@ -1,0 +1,220 @@
+"""matmul's ``nvidia.hopper_gluon`` variant: its Gluon kernel (``matmul_gluon.py``) against
+float64 in every operand layout, with tails in every dimension and programs walking many
+tiles; what it takes, what it leaves to ``nvidia.persistent_tma`` and why.
+
+Gluon kernels do not run under Triton's interpreter, so the numerical tests need an sm_90
+GPU and skip elsewhere with the variant's own reason; selection, the predicate and the
+launcher's host logic are tested everywhere (``ci/sm90_compile.py`` compiles the kernel
+for sm_90 on the CPU machine).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import portable_kernels as pk
+from conftest import DEVICE
+from portable_kernels import plugins
+from portable_kernels.errors import VariantUnavailableError
+from portable_kernels.kernels import _gluon
+from portable_kernels.kernels import matmul as mm
+from portable_kernels.kernels import matmul_gluon as mg
+from portable_kernels.launch import LaunchPlan
+from portable_kernels.testing import assert_close, tolerance
+
+NAME = "matmul"
+GLUON = "nvidia.hopper_gluon"
+TMA = "nvidia.persistent_tma"
+
+
+def _operand(gen, rows, cols, dtype, device, col_major=False):
+    if col_major:
+        return torch.randn(cols, rows, generator=gen).to(device, dtype).t()
+    return torch.randn(rows, cols, generator=gen).to(device, dtype)
+
+
+def _check(out, a, b):
+    assert out.shape == (a.shape[0], b.shape[1]) and out.dtype == a.dtype
+    assert not torch.isnan(out).any(), "the kernel left output elements unwritten"
+    assert_close(out, mm.reference(a, b), tolerance(a.dtype, "dot"), f"{tuple(out.shape)} {a.dtype}")
+
+
+def _skip_unless_gluon_runs(device) -> None:
+    x = torch.zeros(8192, 8192, dtype=torch.float16, device=device)[:, :8]
+    verdict = next(v for v in pk.explain(NAME, x, x.t()).verdicts if v.name == GLUON)
+    if not verdict.runnable:
+        pytest.skip(f"{GLUON}: {verdict.reason}")
+
+
+# --- on an sm_90 GPU ----------------------------------------------------------------------
+
+# (M, N, K): one partial tile with K under one step; tails in M, N and K over a few tiles
+# (the grouped order's partial last group); more tiles than SMs, so programs walk several.
+SHAPES = [(72, 48, 40), (296, 520, 200), (1000, 1032, 520), (4104, 2056, 136)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+def test_forced_matches_reference(shape, layout, dtype, device, gen, nan_empty, monkeypatch):
+    """Every operand layout (``t``: column-major, described through its transpose and read
+    transposed by the MMA), forced on problems below MIN_TILES too."""
+    _skip_unless_gluon_runs(device)
+    monkeypatch.setattr(mg, "MIN_TILES", 1)
+    m, n, k = shape
+    a = _operand(gen, m, k, dtype, device, layout[0] == "t")
+    b = _operand(gen, k, n, dtype, device, layout[1] == "t")
+    with pk.use_variant(**{NAME: GLUON}):
+        _check(pk.get_kernel(NAME)(a, b), a, b)
+
+
+@pytest.mark.parametrize("num_sms", [1, 3, 7])
+def test_few_programs_walk_every_tile(num_sms, device, gen, nan_empty):
+    """A grid far smaller than the tile count: each program's barriers go through many
+    phases and its output buffer is reused tile after tile."""
+    _skip_unless_gluon_runs(device)
+    a = _operand(gen, 1000, 264, torch.float16, device)
+    b = _operand(gen, 264, 1800, torch.float16, device, col_major=True)
+    out = torch.empty(1000, 1800, dtype=torch.float16, device=device)
+    _check(mg.matmul(a, b, out, num_sms), a, b)
+
+
+def test_chosen_on_sm90_for_enough_tiles(device, gen, nan_empty):
+    """Chosen by itself from MIN_TILES output tiles on; a smaller product goes to
+    nvidia.persistent_tma, and explain says why."""
+    _skip_unless_gluon_runs(device)
+    a = _operand(gen, 2048, 256, torch.bfloat16, device)
+    b = _operand(gen, 256, 4096, torch.bfloat16, device)
+    assert mg.tiles(2048, 4096) >= mg.MIN_TILES
+    assert pk.explain(NAME, a, b).variant == GLUON
+    _check(pk.get_kernel(NAME)(a, b), a, b)
+    small = pk.explain(NAME, a[:128], b)
+    assert small.variant == TMA
+    assert "MIN_TILES" in next(v for v in small.verdicts if v.name == GLUON).reason
+
+
+def test_forcing_a_small_problem_raises(device):
+    _skip_unless_gluon_runs(device)
+    x = torch.zeros(64, 64, dtype=torch.float16, device=device)
+    with pk.use_variant(**{NAME: GLUON}):
+        with pytest.raises(VariantUnavailableError, match="MIN_TILES"):
+            pk.get_kernel(NAME)(x, x)
+
+
+# --- what it takes: everywhere ----------------------------------------------------------------
+
+def test_size_issue_has_fixed_messages():
+    """Below MIN_TILES, or K = 0, the kernel declines by size; the messages hold no sizes,
+    so that the selection cache keeps one entry for every small problem."""
+    def t(*shape):
+        return torch.empty(*shape, dtype=torch.float16, device="meta")
+
+    assert "MIN_TILES=132" in mm._gluon_issue(t(128, 64), t(64, 4096))
+    assert mm._gluon_issue(t(100, 64), t(64, 100)) == mm._gluon_issue(t(128, 64), t(64, 4096))
+    assert mm._gluon_issue(t(2048, 0), t(0, 4096)) == "K is 0: the output is all zeros"
+    assert mm._gluon_issue(t(2048, 64), t(64, 4096)) == ""
+    # Other problems' checks name them later; the predicate does not guess.
+    assert mm._gluon_issue(t(2048), t(64, 4096)) == ""
+
+
+def _cuda_problem(dtype=torch.float16, gluon_issue="", b_layout="row"):
+    return mm.Problem(torch.device("cuda"), dtype, "row", b_layout, True, gluon_issue)
+
+
+def test_predicate_names_the_problem(monkeypatch):
+    """On a CUDA device with the Triton it was checked on: 16-bit operands, enough tiles
+    and what a descriptor takes; each refusal says which."""
+    h200 = plugins.host().emulation_profile("h200")
+    monkeypatch.setattr(_gluon, "TRITON_OK", True)
+    assert mm.gluon_accepts(_cuda_problem(), h200) is None
+    assert "float32 operands take the Triton kernel" in mm.gluon_accepts(
+        _cuda_problem(torch.float32), h200)
+    assert "float8_e4m3fn operands" in mm.gluon_accepts(_cuda_problem(torch.float8_e4m3fn), h200)
+    assert mm.gluon_accepts(_cuda_problem(gluon_issue="few tiles"), h200) == "few tiles"
+    assert "b cannot be described" in mm.gluon_accepts(_cuda_problem(b_layout=""), h200)
+    monkeypatch.setattr(_gluon, "TRITON_OK", False)
+    assert "TRITON_OK" in mm.gluon_accepts(_cuda_problem(), h200)
+
+
+def test_sm90_only_and_never_on_the_interpreter():
+    x = torch.zeros(64, 64, dtype=torch.float16, device=DEVICE)
+    with pk.emulate("a100"):
+        verdict = next(v for v in pk.explain(NAME, x, x).verdicts if v.name == GLUON)
+    assert not verdict.runnable and "requires tensor_descriptor" in verdict.reason
+    with pk.emulate("h100"):
+        sel = pk.explain(NAME, x, x)
+    verdict = next(v for v in sel.verdicts if v.name == GLUON)
+    assert verdict.priority == 110 and not verdict.runnable
+    assert sel.variant == TMA
+    reason = ("Triton's interpreter does not run them" if DEVICE.type == "cpu" else "MIN_TILES")
+    assert reason in verdict.reason, verdict.reason
+
+
+def test_gluon_is_a_host_switch():
+    """GLUON picks the launcher's kernel and never reaches the Triton kernel's constexprs;
+    the Gluon variant shares nvidia.persistent_tma's switches and table otherwise, so its
+    small problems could run that kernel unchanged."""
+    variants = plugins.host().registry.variants[NAME]
+    gluon, tma = variants[GLUON], variants[TMA]
+    assert gluon.switches == {**tma.switches, "GLUON": True}
+    assert "GLUON" not in tma.switches
+    h200 = plugins.host().emulation_profile("h200")
+    plan = LaunchPlan(gluon, h200, tma.configs(h200)[:1], dict(gluon.switches))
+    _, switches, _ = mm._tuned_kernel(plan, 2)
+    assert "GLUON" not in switches
+
+
+class _Launches:
+    """Stands in for the Gluon kernel: records each launch's grid and arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize("a_col, b_col", [(False, False), (False, True), (True, False),
+                                          (True, True)])
+def test_launch_describes_each_layout(a_col, b_col, monkeypatch):
+    """The launcher's host work: a column-major operand is described through its transpose
+    (A_T/B_T), boxes follow the tile, the output is stored in 64-row halves, and the grid is
+    min(SMs, tiles). Recorded, not run."""
+    launches = _Launches()
+    monkeypatch.setattr(mg, "_matmul_gluon_kernel", launches)
+    m, n, k = 1000, 2056, 72
+    a = torch.empty(k, m, dtype=torch.float16).t() if a_col else torch.empty(m, k, dtype=torch.float16)
+    b = torch.empty(n, k, dtype=torch.float16).t() if b_col else torch.empty(k, n, dtype=torch.float16)
+    out = torch.empty(m, n, dtype=torch.float16)
+    assert mg.matmul(a, b, out, 132) is out
+    (grid, args, kwargs), = launches.calls
+    a_desc, b_desc, c_desc = args[:3]
+    assert grid == (min(132, mg.tiles(m, n)),) and args[3:6] == (m, n, k)
+    assert kwargs["A_T"] is a_col and kwargs["B_T"] is b_col
+    bm, bn, bk = mg.BLOCK_M, mg.BLOCK_N, mg.BLOCK_K
+    assert list(a_desc.shape) == ([k, m] if a_col else [m, k])
+    assert list(a_desc.block_shape) == ([bk, bm] if a_col else [bm, bk])
+    assert list(b_desc.shape) == ([n, k] if b_col else [k, n])
+    assert list(b_desc.block_shape) == ([bn, bk] if b_col else [bk, bn])
+    assert c_desc.base is out and list(c_desc.block_shape) == [bm // 2, bn]
+
+
+def test_launch_routes_by_the_host_switch(monkeypatch):
+    """matmul.launch hands GLUON plans' non-empty products to matmul_gluon.matmul with the
+    output it allocated and the device's SM count; empty ones never reach it."""
+    calls = []
+
+    def fake(a, b, out, num_sms):
+        calls.append((a.shape, b.shape, out.shape, num_sms))
+        return out.fill_(5.0)
+
+    monkeypatch.setattr(mg, "matmul", fake)
+    h200 = plugins.host().emulation_profile("h200")
+    gluon = plugins.host().registry.variants[NAME][GLUON]
+    plan = LaunchPlan(gluon, h200, gluon.configs(h200), dict(gluon.switches))
+    a, b = torch.ones(300, 40, dtype=torch.float16), torch.ones(40, 520, dtype=torch.float16)
+    assert (mm.launch(plan, a, b) == 5.0).all()
+    assert calls == [((300, 40), (40, 520), (300, 520), h200.num_sms)]
+    assert not mm.launch(plan, a[:, :0], b[:0]).any()  # K = 0: zeros, no launch
+    assert mm.launch(plan, a[:0], b).shape == (0, 520)
+    assert len(calls) == 1
