@@ -10,6 +10,8 @@ on fresh ``torch.randn`` inputs. Columns:
   it requires; ours get the same ``b``;
 - ``cublaslt``: cuBLASLt through Triton's own binding (``triton._C.libtriton.nvidia``),
   when this Triton build has it (it computes ``a @ b_t.T``, so ``b`` is passed as (N, K));
+- ``hopper_gluon``: our ``nvidia.hopper_gluon`` variant (the Gluon kernel), forced, where
+  it takes the problem (16-bit operands, at least ``matmul_gluon.MIN_TILES`` output tiles);
 - ``persistent_tma``: our ``nvidia.persistent_tma`` variant, forced;
 - ``persistent_tma_nows``: the same kernel with ``WARP_SPECIALIZE=False`` (an ablation:
   does the warp-specialized K loop pay off on this GPU and Triton?; not for fp8, whose
@@ -59,8 +61,9 @@ LLM_M = [16, 128, 4096]
 LLM_NK = [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336)]
 QUICK = [(4096, 4096, 4096), (16, 4096, 4096), (4096, 14336, 4096)]
 TMA = "nvidia.persistent_tma"
+GLUON = "nvidia.hopper_gluon"
 DEVICE = "cuda"
-OURS = ("persistent_tma", "persistent_tma_nows", "generic")
+OURS = ("hopper_gluon", "persistent_tma", "persistent_tma_nows", "generic")
 METHODS = ("cublas", "cublaslt") + OURS
 
 
@@ -99,9 +102,16 @@ class Ours:
     def __init__(self) -> None:
         self.nows: LaunchPlan | None = None
 
-    def plans(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, LaunchPlan]:
-        out = {}
-        for name, variant in (("persistent_tma", TMA), ("generic", "generic")):
+    def plans(self, a: torch.Tensor, b: torch.Tensor) -> tuple[dict[str, LaunchPlan], dict[str, str]]:
+        """``(plans, declined)``: the plans to time, and why a variant that does not take
+        this problem declined."""
+        out, declined = {}, {}
+        sel = pk.explain("matmul", a, b)
+        for name, variant in (("hopper_gluon", GLUON), ("persistent_tma", TMA), ("generic", "generic")):
+            verdict = next((v for v in sel.verdicts if v.name == variant), None)
+            if verdict is None or not verdict.runnable:
+                declined[name] = f"not timed: {verdict.reason if verdict else 'not registered'}"
+                continue
             with pk.use_variant(matmul=variant):
                 out[name] = dispatch._launch_plan(pk.explain("matmul", a, b))
         if self.nows is None:
@@ -115,7 +125,7 @@ class Ours:
             # No fp8 config has the 4 warps Triton warp-specializes on sm_90: the ablation
             # would time the same kernels again.
             del out["persistent_tma_nows"]
-        return {name: out[name] for name in OURS if name in out}
+        return {name: out[name] for name in OURS if name in out}, declined
 
 
 def best_config(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor) -> str:
@@ -221,7 +231,8 @@ def bench_row(m, n, k, dtype, args, lt, ours: Ours) -> dict:
     elif lt is not None:
         fns["cublaslt"] = cublaslt
     try:
-        plans = ours.plans(a, b)
+        plans, declined = ours.plans(a, b)
+        row["error"].update(declined)
     except Exception as exc:
         plans = {}
         for name in OURS:

@@ -75,10 +75,20 @@ def test_benches_exit_with_the_reason_without_a_gpu(script, tests):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
-def test_gluon_ab_exits_with_the_reason_without_an_sm90_gpu():
-    proc = subprocess.run([sys.executable, str(BENCH / "flash_attn_gluon_ab.py"),
-                           "--knob", "PINGPONG=0,1"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("script,args", [("flash_attn_gluon_ab", ["--knob", "PINGPONG=0,1"]),
+                                         ("matmul_gluon_ab", ["--set", "STAGES=3"])])
+def test_gluon_ab_exits_with_the_reason_without_an_sm90_gpu(script, args):
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "no sm_90 GPU here" in proc.stderr
+
+
+def test_matmul_gluon_ab_settings_name_module_constants():
+    ab = _load("matmul_gluon_ab")
+    assert ab.parse_setting("BLOCK_K=32,STAGES=6") == {"BLOCK_K": 32, "STAGES": 6}
+    assert ab.parse_setting("") == {}
+    with pytest.raises(SystemExit, match="matmul_gluon has no NOPE"):
+        ab.parse_setting("NOPE=1")
 
 
 def test_matmul_bench_cold_rotates_operand_copies():
