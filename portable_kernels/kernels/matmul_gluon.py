@@ -17,7 +17,8 @@ docs/performance.md). In Gluon the roles are separate partitions:
   read it retires. At the end of a tile each converts its fp32 accumulator to the output
   dtype, writes it to its own shared buffer and hands it to the copy engine, whose store
   runs while the consumer starts the next tile; the producer has been filling the buffers
-  for that tile all along.
+  for that tile all along. (Storing while the next tile's first MMA runs did not pay on
+  the H200: the epilogue is not what holds the MMAs back.)
 
 Tiles are visited in grouped order (``GROUP_M`` rows of tiles column by column, as
 ``_tiles.grouped_tile`` walks them), each program taking every ``grid``-th tile, with
@@ -26,9 +27,9 @@ Tiles are visited in grouped order (``GROUP_M`` rows of tiles column by column, 
 Operands: fp16 or bf16, ``a`` (M, K) and ``b`` (K, N) row- or column-major (a column-major
 operand is described through its transpose, ``A_T``/``B_T``, and read transposed from
 shared memory by the MMA), 16-byte aligned strides; the copy engine reads zeros past M, N
-and K and clips the stores, so any sizes work. Limits (``gluon_accepts`` in ``matmul.py``,
-the NVIDIA backend's predicate and :func:`takes`): sm_90 CUDA tensors, Triton 3.6, and at
-least :data:`MIN_TILES` output tiles. Smaller problems, fp32 and fp8 take the family's
+and K and clips the stores, so any sizes work. Limits (``gluon_accepts`` and
+``_gluon_issue`` in ``matmul.py``, and the NVIDIA backend's predicate): sm_90 CUDA tensors,
+Triton 3.6, and at least :data:`MIN_TILES` output tiles. Smaller problems, fp32 and fp8 take the family's
 Triton kernel (``nvidia.persistent_tma``'s switches and table), which has split-K for
 outputs with few tiles.
 """
@@ -49,13 +50,15 @@ from ._tiles import grouped_tile
 #: 64-row blocks).
 BLOCK_M = 128
 #: Output columns per tile and the K depth of one step. 128×256 tiles with 64-deep steps
-#: are cuBLAS's own tile for large 16-bit products on sm_90.
+#: are cuBLAS's own tile for large 16-bit products on sm_90. Timed in alternation on the
+#: H200 (2026-11-30, ``bench/matmul_gluon_ab.py``): 32-deep steps with 6 buffers 1-5%
+#: slower, 128×128 tiles with 6 buffers 3-7% slower.
 BLOCK_N = 256
 BLOCK_K = 64
 #: K steps in flight: 48 KB each at 128×256×64, plus 64 KB for the two consumers' output
 #: blocks, within the 227 KB a block may use.
 STAGES = 3
-#: Rows of tiles walked column by column (see ``_tiles.grouped_tile``).
+#: Rows of tiles walked column by column (see ``_tiles.grouped_tile``); 16 timed within 1%.
 GROUP_M = 8
 #: Registers per thread: 24 for the producer warp's warpgroup, ``CONSUMER_REGS`` for the
 #: worker consumer warpgroup, and the default consumer gets the rest of the 512 (24 + 232 +
@@ -64,7 +67,9 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 24
 #: The fewest output tiles (``BLOCK_M`` × ``BLOCK_N``) a call must have for the kernel to
 #: take it: one per SM of an H200. Below, some SMs would idle; the Triton kernel splits K
-#: there.
+#: there (128×14336×14336, 56 tiles: 0.72x cuBLAS here, 0.91x that kernel's). At 2048³
+#: (128 tiles) eager calls ran at 0.64x cuBLAS, probably bound by this launcher's host
+#: time (H200, 2026-11-30).
 MIN_TILES = 132
 #: Operand dtypes (sm_90's fp8 MMAs read only K-major operands and need their accumulation
 #: promoted; the Triton kernel does both).
@@ -74,12 +79,6 @@ DTYPES = (torch.float16, torch.bfloat16)
 def tiles(m: int, n: int) -> int:
     """Output tiles of an M×N product."""
     return _host.cdiv(m, BLOCK_M) * _host.cdiv(n, BLOCK_N)
-
-
-def takes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether :func:`matmul` takes ``a @ b`` by size (the variant's predicate has checked
-    the device, dtypes and layouts): enough output tiles to occupy the SMs."""
-    return tiles(a.shape[0], b.shape[1]) >= MIN_TILES
 
 
 @gluon.jit
