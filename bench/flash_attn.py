@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import triton
 
+from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import flash_attn as fa
 from portable_kernels.testing import Tolerance, tolerance
 
@@ -151,7 +152,9 @@ def bench_row(b, h, n, d, causal, dtype, cudagraph: bool = False) -> dict:
     for name, variant in OURS.items():
         try:
             fns[name], plans[name] = ours(variant, q, k, v, causal)
-        except Exception as exc:  # e.g. the variant cannot run on this GPU
+        except VariantUnavailableError as exc:  # it declines this problem or this GPU
+            row["error"][name] = f"not timed: {str(exc).splitlines()[0][:300]}"
+        except Exception as exc:
             row["error"][name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
     ref = None
@@ -238,7 +241,8 @@ def cell(row: dict, p: str, name: str) -> str:
         q = ratio(row, p, name)
         return f"{row['tflops'][p][name]:.0f}" + ("" if name == "cudnn" or q is None else f" ({q:.2f})")
     if name in row["error"]:
-        return "WRONG" if row["error"][name].startswith("WRONG") else "error"
+        error = row["error"][name]
+        return "WRONG" if error.startswith("WRONG") else "n/a" if error.startswith("not timed") else "error"
     return "n/a"
 
 

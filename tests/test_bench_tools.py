@@ -363,3 +363,18 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
     assert [flag for flag, _ in seen] == ["1", "0"]
     plans = [plan for _, plan in seen]
     assert plans[0] is not before and plans[1] is not plans[0]  # built afresh in each pass
+
+
+@pytest.mark.parametrize("script", ["flash_attn", "matmul"])
+def test_declined_variants_read_n_a_not_error(script):
+    """A variant that declines a row (too few tiles or keys) is listed with its reason and
+    shows as n/a, apart from wrong results and failures."""
+    bench = _load(script)
+    if script == "flash_attn":
+        row = {"tflops": {"fwd": {}}, "error": {"gluon": "not timed: Nk is below MIN_KEYS",
+                                                 "hopper": "WRONG: out", "generic": "RuntimeError: x"}}
+        cells = [bench.cell(row, "fwd", name) for name in ("gluon", "hopper", "generic")]
+    else:
+        cells = [bench._failure(e) for e in ("not timed: fewer than MIN_TILES", "WRONG: x",
+                                             "RuntimeError: x")]
+    assert cells == ["n/a", "WRONG", "error"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import portable_kernels as pk
-from portable_kernels import plugins
+from portable_kernels import plugins, tune
 from conftest import DEVICE
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import flash_attn as fa
@@ -317,3 +317,24 @@ def test_gluon_backward_wiring(fused_dq, monkeypatch):
         assert (dq == 3.0).all()
     else:  # the family's dq kernel, as the generic plan runs it
         assert torch.equal(dq, fa._backward(generic, do, q, k, v, out, lse, True, 0.125)[0])
+
+
+def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):
+    """With GLUON_FORWARD the forward is flash_attn_gluon.forward's (the GPU tests above
+    check its numbers), and ``portable-kernels tune`` names its fixed tile, not the first
+    config of the table the plan shares with nvidia.hopper."""
+    calls = []
+
+    def fake(q, k, v, causal, scale):
+        calls.append((q.shape, causal, scale))
+        return torch.full_like(q, 4.0), torch.zeros(q.shape[:3])
+
+    monkeypatch.setattr(fg, "forward", fake)
+    q = torch.randn(1, 2, 40, 64, device=DEVICE)
+    with pk.use_variant(**{NAME: "generic"}):
+        generic = pk.get_kernel(NAME).plan(q, q, q)
+    plan = LaunchPlan(generic.variant, generic.device, generic.configs,
+                      {**generic.switches, "GLUON_FORWARD": True})
+    out, _ = fa._forward(plan, q, q, q, False, 0.125)
+    assert calls == [(q.shape, False, 0.125)] and (out == 4.0).all()
+    assert tune._chosen_configs(plan) == fg.tile().best_config

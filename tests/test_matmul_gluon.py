@@ -14,7 +14,7 @@ import torch
 
 import portable_kernels as pk
 from conftest import DEVICE
-from portable_kernels import plugins
+from portable_kernels import plugins, tune
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import _gluon
 from portable_kernels.kernels import matmul as mm
@@ -218,3 +218,5 @@ def test_launch_routes_by_the_host_switch(monkeypatch):
     assert not mm.launch(plan, a[:, :0], b[:0]).any()  # K = 0: zeros, no launch
     assert mm.launch(plan, a[:0], b).shape == (0, 520)
     assert len(calls) == 1
+    # portable-kernels tune names the Gluon kernel's tile, not the table's first config.
+    assert tune._chosen_configs(plan) == mg.tile().best_config

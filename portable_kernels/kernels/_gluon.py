@@ -8,6 +8,8 @@ it does not run under Triton's interpreter.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
@@ -21,6 +23,14 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 #: partition, as 3.6 lowers it), so elsewhere the Gluon variants decline and the Triton
 #: kernels serve until a GPU run checks them.
 TRITON_OK = triton.__version__.startswith("3.6.")
+
+
+class FixedTile(NamedTuple):
+    """A Gluon kernel's one tile (they are not autotuned), kept in a launch plan's cache so
+    that reports which read an autotuner's ``best_config`` (``portable-kernels tune``) name
+    it, not the first config of the plan's table, which the kernel does not use."""
+
+    best_config: str
 
 
 def runs_here(device_type: str) -> str | None:

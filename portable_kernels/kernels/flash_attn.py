@@ -886,6 +886,7 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
     if n_k == 0:  # no keys: SDPA's math backend returns zeros
         return out.zero_(), lse.fill_(float("-inf"))
     if plan.switches.get("GLUON_FORWARD"):
+        plan.cached((NAME, "gluon forward tile"), flash_attn_gluon.tile)
         return flash_attn_gluon.forward(q, k, v, causal, scale)
     block_d = _block_d(d)
     switches = _switches(plan, block_d)

@@ -63,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import _host
+from ._gluon import FixedTile
 from ._gluon import tma_load as _tma_load
 
 #: Query rows per consumer warpgroup (sm_90's MMA works on 64-row blocks).
@@ -113,6 +114,12 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
+
+
+def tile() -> FixedTile:
+    """The forward's tile, as ``portable-kernels tune`` reports it."""
+    return FixedTile(f"Gluon forward: BLOCK_M: {BLOCK_M} per consumer warpgroup, BLOCK_N: "
+                     f"{BLOCK_N}, STAGES: {STAGES} (fixed)")
 
 
 def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:

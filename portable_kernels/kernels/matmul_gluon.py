@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import _host
-from ._gluon import tma_load, tma_store
+from ._gluon import FixedTile, tma_load, tma_store
 from ._tiles import grouped_tile
 
 #: Output rows per tile: one 64-row block per consumer warpgroup (sm_90's MMA works on
@@ -74,6 +74,12 @@ MIN_TILES = 132
 #: Operand dtypes (sm_90's fp8 MMAs read only K-major operands and need their accumulation
 #: promoted; the Triton kernel does both).
 DTYPES = (torch.float16, torch.bfloat16)
+
+
+def tile() -> FixedTile:
+    """The kernel's tile, as ``portable-kernels tune`` reports it."""
+    return FixedTile(f"Gluon: BLOCK_M: {BLOCK_M}, BLOCK_N: {BLOCK_N}, BLOCK_K: {BLOCK_K}, "
+                     f"STAGES: {STAGES}, GROUP_M: {GROUP_M} (fixed)")
 
 
 def tiles(m: int, n: int) -> int:
