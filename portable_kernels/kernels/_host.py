@@ -5,7 +5,7 @@ Every check runs before any allocation or launch, so bad input never reaches Tri
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from triton.runtime import _allocation
@@ -174,6 +174,25 @@ class scratch_allocator:
 # --- integer helpers for launch grids and tile sizes ------------------------------------------
 # triton.cdiv and triton.next_power_of_2 are constexpr functions in Triton 3.6: from host
 # code each call costs about 3 µs (argument unwrapping), several of them per launch.
+
+def gemm_launch_metadata(a: str, out: str) -> Callable[[Any, Any, dict], dict]:
+    """The ``launch_metadata`` hook of a product kernel with ``M``, ``N``, ``K`` arguments
+    and its first operand and output in the arguments named ``a`` and ``out`` (tensors or
+    host tensor descriptors): what profilers (proton, launch hooks) record per launch, a
+    name with the problem size, the flops (at the operands' width) and the bytes moved at
+    least once."""
+    def metadata(grid, kernel, args: dict) -> dict:
+        M, N, K = args["M"], args["N"], args["K"]
+        a_t, out_t = (getattr(args[n], "base", args[n]) for n in (a, out))
+        size = a_t.element_size()
+        return {
+            "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
+            f"flops{8 * size}": 2.0 * M * N * K,
+            "bytes": size * (M * K + K * N) + out_t.element_size() * M * N,
+        }
+
+    return metadata
+
 
 def cdiv(x: int, y: int) -> int:
     """``ceil(x / y)`` for ints, ``y > 0``."""

@@ -87,17 +87,7 @@ CONFIG_SWITCHES = ("TMA", "PERSISTENT")
 HOST_SWITCHES = ("GLUON",)
 
 
-def _matmul_launch_metadata(grid, kernel, args) -> dict:
-    """What profilers (proton, launch hooks) record per launch: a name with the problem
-    size, the flops and the bytes moved at least once."""
-    M, N, K = args["M"], args["N"], args["K"]
-    a, out = (getattr(args[n], "base", args[n]) for n in ("a", "c"))  # or host TensorDescriptors
-    size = a.element_size()
-    return {
-        "name": f"{kernel.name} [M={M}, N={N}, K={K}]",
-        f"flops{8 * size}": 2.0 * M * N * K,
-        "bytes": size * (M * K + K * N) + out.element_size() * M * N,
-    }
+_matmul_launch_metadata = _host.gemm_launch_metadata("a", "c")
 
 
 # --- kernel ---------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def _consumer(a_bufs, b_bufs, c_bufs, c_desc, ready, empty, M, N, K, WG: gl.cons
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(launch_metadata=_host.gemm_launch_metadata("a_desc", "c_desc"))
 def _matmul_gluon_kernel(a_desc, b_desc, c_desc, M, N, K, A_T: gl.constexpr,
                          B_T: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
