@@ -9,7 +9,9 @@ launcher, 16x4096x4096 bf16, 2026-11-30), more than the kernel itself (10 µs).
 
 :class:`DirectLaunch` keeps, per tuned problem, the binaries the JIT path returned, keyed by
 everything that could select another binary: the current device, each tensor argument's
-dtype and 16-byte alignment, every other argument's value and every keyword's. That is
+dtype and 16-byte alignment, each host tensor descriptor's type (its base's dtype, block
+shape, shared-memory layout and padding: Triton specializes a descriptor on nothing else),
+every other argument's value and every keyword's. That is
 stricter than Triton's own key (which keeps only classes of integers), so a call it has not
 seen goes through the JIT path once more and adds an entry; a seen one launches the binary.
 
@@ -53,6 +55,11 @@ def _hooked() -> bool:
     return False
 
 
+def _leading(arg: Any) -> bool:
+    """Whether ``arg`` is a tensor or a host tensor descriptor (keyed by type, not value)."""
+    return isinstance(arg, torch.Tensor) or isinstance(getattr(arg, "base", None), torch.Tensor)
+
+
 class _Entry:
     __slots__ = ("kernel", "tail", "meta")
 
@@ -68,7 +75,9 @@ class DirectLaunch:
     its own).
 
     Calls are ``launch(grid, args, kwargs)`` or ``launch[grid](*args, **kwargs)``:
-    positional tensors first, then scalars, as the family launchers pass them. Scalars are
+    positional tensors and host tensor descriptors first (``triton.tools``' or Gluon's
+    ``TensorDescriptor``; the binary's launcher encodes a descriptor's addresses, sizes and
+    strides at every launch), then scalars, as the family launchers pass them. Scalars are
     part of the key by value, so a scalar that changes on every call (a random seed) gains
     nothing here. Values compare across types (``1 == 1.0 == True``, which Triton types
     apart), so a call site must pass each scalar with one type, as the family launchers do
@@ -110,11 +119,13 @@ class DirectLaunch:
     def _key(self, args: tuple, kwargs: dict) -> tuple | None:
         n = self.n_tensors
         if n < 0:
-            n = self.n_tensors = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)),
-                                      len(args))
+            n = self.n_tensors = next((i for i, a in enumerate(args) if not _leading(a)), len(args))
         try:
             return (torch._C._cuda_getDevice(),
-                    tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in args[:n]]),
+                    tuple([(t.dtype, t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor)
+                           else (t.base.dtype, tuple(t.block_shape), getattr(t, "layout", None),
+                                 getattr(t, "padding", None))
+                           for t in args[:n]]),
                     args[n:], tuple(kwargs.items()))
         except (AttributeError, TypeError):  # not the first call's layout, or unhashable
             return None
@@ -127,7 +138,7 @@ class DirectLaunch:
         if hasattr(kernel, "result"):  # asynchronous compilation
             kernel = kernel.result()
         n = self.n_tensors
-        if any(isinstance(a, torch.Tensor) for a in (*args[n:], *kwargs.values())):
+        if any(_leading(a) for a in (*args[n:], *kwargs.values())):
             return None  # a tensor passed where scalars go: its alignment is not in the key
         params = self.fn.params
         named = {**kwargs, **self.config}

@@ -100,6 +100,37 @@ def test_calls_that_may_select_another_binary_take_the_jit_path(cuda_stand_ins, 
     assert len(fn.calls) == 2 and launch.launches == 1
 
 
+def _descriptor(t, block=(8, 8), swizzle=128):
+    """A Gluon host descriptor of the 2-D ``t``: Triton specializes on its type string
+    (dtype, block shape, layout), not on the addresses, sizes and strides it carries."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+
+
+@pytest.mark.parametrize("change", ["none", "block shape", "layout", "dtype"])
+def test_descriptor_arguments_are_keyed_by_type(cuda_stand_ins, change):
+    """Descriptors lead the arguments as tensors do. A later call with new descriptors of
+    the same type (other tensors, other sizes) launches the binary with them (its launcher
+    encodes their addresses at each launch); one of another type takes the JIT path."""
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
+    y = torch.zeros(8, dtype=torch.float16)
+    launch(_grid, (_descriptor(torch.zeros(16, 32, dtype=torch.float16)), y, 8, 0.5), {})
+    other = torch.zeros(48, 64, dtype=torch.float16)
+    desc = {"none": lambda: _descriptor(other),
+            "block shape": lambda: _descriptor(other, block=(16, 8)),
+            "layout": lambda: _descriptor(other, swizzle=64),
+            "dtype": lambda: _descriptor(other.float())}[change]()
+    launch(_grid, (desc, y, 8, 0.5), {})
+    if change == "none":
+        assert len(fn.calls) == 1 and launch.launches == 1
+        assert fn.binary.runs[0][9] is desc
+    else:
+        assert len(fn.calls) == 2 and launch.launches == 0
+
+
 def test_launch_hooks_keep_the_jit_path(cuda_stand_ins):
     """Profilers read the launch metadata Triton builds for its hooks."""
     fn = _Jit()

@@ -103,6 +103,27 @@ def test_scales_and_lse(sm_scale, device, gen, nan_empty):
                  "lse")
 
 
+def test_seen_calls_launch_the_compiled_kernels(device, gen, nan_empty):
+    """After a problem's first call, the Gluon forward and backward launch their compiled
+    kernels directly (``_direct``), each launch describing the tensors it is given: fresh
+    inputs of the same sizes get their own results, forward and backward."""
+    _skip_unless_gluon_runs(device)
+    if torch.version.cuda is None:
+        pytest.skip("direct launches are used on NVIDIA GPUs only")
+    dims = (1, 4, 2, 300, 260, 64)
+    q = torch.empty(1, 4, 300, 64, device=device, dtype=torch.float16)
+    kv = torch.empty(1, 2, 260, 64, device=device, dtype=torch.float16)
+    with pk.use_variant(**{NAME: GLUON}):
+        plan = pk.get_kernel(NAME).plan(q, kv, kv, causal=True)
+    kernels = (fg._flash_attn_fwd_gluon_kernel, fg._flash_attn_bwd_gluon_kernel)
+    _check(_forced, dims, True, torch.float16, device, gen)
+    before = [plan.direct(kernel).launches for kernel in kernels]
+    for _ in range(2):
+        _check(_forced, dims, True, torch.float16, device, gen)
+    after = [plan.direct(kernel).launches for kernel in kernels]
+    assert [a - b for a, b in zip(after, before)] == [2, 2], "seen calls took the JIT path"
+
+
 def test_strided_views(device, gen, nan_empty):
     """(B, N, H, D) storage viewed as (B, H, N, D): the per-head descriptors take it."""
     _skip_unless_gluon_runs(device)
@@ -293,8 +314,8 @@ def test_gluon_backward_wiring(fused_dq, monkeypatch):
     dq is what that kernel added into its fp32 buffer, else the family's dq kernel's."""
     calls = []
 
-    def fake(q, k, v, do, lse, delta, dk, dv, causal, scale, dq_acc=None):
-        calls.append((q.shape, k.shape, causal, scale, dq_acc is not None))
+    def fake(q, k, v, do, lse, delta, dk, dv, causal, scale, dq_acc=None, plan=None):
+        calls.append((q.shape, k.shape, causal, scale, dq_acc is not None, plan))
         assert torch.allclose(delta, (out.float() * do.float()).sum(-1), atol=1e-5)
         dk.fill_(1.0)
         dv.fill_(2.0)
@@ -311,7 +332,7 @@ def test_gluon_backward_wiring(fused_dq, monkeypatch):
     out, lse = fa._forward(plan, q, k, v, True, 0.125)
     do = torch.randn_like(out)
     dq, dk, dv = fa._backward(plan, do, q, k, v, out, lse, True, 0.125)
-    assert calls == [(q.shape, k.shape, True, 0.125, fused_dq)]
+    assert calls == [(q.shape, k.shape, True, 0.125, fused_dq, plan)]  # plan: direct launches
     assert (dk == 1.0).all() and (dv == 2.0).all()
     if fused_dq:
         assert (dq == 3.0).all()
@@ -325,8 +346,8 @@ def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):
     config of the table the plan shares with nvidia.hopper."""
     calls = []
 
-    def fake(q, k, v, causal, scale):
-        calls.append((q.shape, causal, scale))
+    def fake(q, k, v, causal, scale, plan):
+        calls.append((q.shape, causal, scale, plan))
         return torch.full_like(q, 4.0), torch.zeros(q.shape[:3])
 
     monkeypatch.setattr(fg, "forward", fake)
@@ -336,5 +357,5 @@ def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):
     plan = LaunchPlan(generic.variant, generic.device, generic.configs,
                       {**generic.switches, "GLUON_FORWARD": True})
     out, _ = fa._forward(plan, q, q, q, False, 0.125)
-    assert calls == [(q.shape, False, 0.125)] and (out == 4.0).all()
+    assert calls == [(q.shape, False, 0.125, plan)] and (out == 4.0).all()
     assert tune._chosen_configs(plan) == fg.tile().best_config

@@ -96,9 +96,28 @@ def test_chosen_on_sm90_for_enough_tiles(device, gen, nan_empty):
     assert "MIN_TILES" in next(v for v in small.verdicts if v.name == GLUON).reason
 
 
+def test_seen_calls_launch_the_compiled_kernel(device, gen, nan_empty):
+    """After its first call a problem's launches skip Triton's JIT dispatch (``_direct``),
+    and each launch describes the tensors it is given: new operands and outputs of the same
+    sizes and layouts get their own products, not the first call's."""
+    _skip_unless_gluon_runs(device)
+    if torch.version.cuda is None:
+        pytest.skip("direct launches are used on NVIDIA GPUs only")
+    handle = pk.get_kernel(NAME)
+    pairs = [(_operand(gen, 2048, 264, torch.float16, device),
+              _operand(gen, 264, 4104, torch.float16, device, col_major=True)) for _ in range(3)]
+    _check(handle(*pairs[0]), *pairs[0])
+    plan = next(p for p in set(handle._cache.values()) if p.variant.name == GLUON)
+    launcher = plan.direct(mg._matmul_gluon_kernel)
+    before = launcher.launches
+    for a, b in pairs[1:]:
+        _check(handle(a, b), a, b)
+    assert launcher.launches == before + 2, "calls after the first did not launch the binary"
+
+
 def test_launch_metadata_reaches_profiler_hooks(device, gen):
-    """(Not yet run on a GPU when written: the eleventh 11-30 session had no device time
-    left.)"""
+    """Launch hooks see the product's launches (which then take Triton's JIT path: direct
+    launches skip the hooks' metadata)."""
     _skip_unless_gluon_runs(device)
     seen = []
 
@@ -226,11 +245,12 @@ def test_launch_describes_each_layout(a_col, b_col, monkeypatch):
 
 def test_launch_routes_by_the_host_switch(monkeypatch):
     """matmul.launch hands GLUON plans' non-empty products to matmul_gluon.matmul with the
-    output it allocated and the device's SM count; empty ones never reach it."""
+    output it allocated, the device's SM count and the plan (for direct launches); empty
+    ones never reach it."""
     calls = []
 
-    def fake(a, b, out, num_sms):
-        calls.append((a.shape, b.shape, out.shape, num_sms))
+    def fake(a, b, out, num_sms, plan):
+        calls.append((a.shape, b.shape, out.shape, num_sms, plan))
         return out.fill_(5.0)
 
     monkeypatch.setattr(mg, "matmul", fake)
@@ -239,7 +259,7 @@ def test_launch_routes_by_the_host_switch(monkeypatch):
     plan = LaunchPlan(gluon, h200, gluon.configs(h200), dict(gluon.switches))
     a, b = torch.ones(300, 40, dtype=torch.float16), torch.ones(40, 520, dtype=torch.float16)
     assert (mm.launch(plan, a, b) == 5.0).all()
-    assert calls == [((300, 40), (40, 520), (300, 520), h200.num_sms)]
+    assert calls == [((300, 40), (40, 520), (300, 520), h200.num_sms, plan)]
     assert not mm.launch(plan, a[:, :0], b[:0]).any()  # K = 0: zeros, no launch
     assert mm.launch(plan, a[:0], b).shape == (0, 520)
     assert len(calls) == 1

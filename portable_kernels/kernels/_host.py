@@ -171,6 +171,13 @@ class scratch_allocator:
         _allocation._allocator.reset(self._token)
 
 
+def launcher(plan: Any, kernel: Any) -> Any:
+    """``kernel`` (a ``@triton.jit`` or Gluon kernel) through ``plan``'s direct launches
+    (``LaunchPlan.direct``: on NVIDIA GPUs a seen call launches its compiled binary), or as
+    it is without a plan (benchmarks timing a kernel alone), through Triton's JIT launch."""
+    return kernel if plan is None else plan.direct(kernel)
+
+
 # --- integer helpers for launch grids and tile sizes ------------------------------------------
 # triton.cdiv and triton.next_power_of_2 are constexpr functions in Triton 3.6: from host
 # code each call costs about 3 µs (argument unwrapping), several of them per launch.

@@ -887,7 +887,7 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
         return out.zero_(), lse.fill_(float("-inf"))
     if plan.switches.get("GLUON_FORWARD"):
         plan.cached((NAME, "gluon forward tile"), flash_attn_gluon.tile)
-        return flash_attn_gluon.forward(q, k, v, causal, scale)
+        return flash_attn_gluon.forward(q, k, v, causal, scale, plan)
     block_d = _block_d(d)
     switches = _switches(plan, block_d)
     args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -968,21 +968,16 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
         # dq's shares from every key tile meet in fp32, rounded once at the end.
         dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
         flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale,
-                                  dq_acc=dq_acc)
+                                  dq_acc=dq_acc, plan=plan)
         return dq.copy_(dq_acc), dk, dv
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
         if gluon:
-            flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale)
+            flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale, plan=plan)
         else:
             _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
                          upcast, tma, dkdv_opts, plan)
         _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts, plan)
     return dq, dk, dv
-
-
-def _launcher(plan, kernel):
-    """``kernel`` through ``plan``'s direct launches, or as it is without a plan."""
-    return kernel if plan is None else plan.direct(kernel)
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
@@ -993,7 +988,7 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    _launcher(plan, _flash_attn_bwd_dkdv_kernel)[(_host.cdiv(n_k, block_n), b * h_kv)](
+    _host.launcher(plan, _flash_attn_bwd_dkdv_kernel)[(_host.cdiv(n_k, block_n), b * h_kv)](
         q, k, v, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
@@ -1008,7 +1003,7 @@ def _launch_dq(q, k, v, do, lse, delta, dq, causal: bool, scale: float,
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_d = _block_d(d)
-    _launcher(plan, _flash_attn_bwd_dq_kernel)[(_host.cdiv(n_q, block_m), b * h)](
+    _host.launcher(plan, _flash_attn_bwd_dq_kernel)[(_host.cdiv(n_q, block_m), b * h)](
         q, k, v, do, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,

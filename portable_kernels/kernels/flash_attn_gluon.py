@@ -623,20 +623,19 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq)) for q (B, H, Nq, D), k and v
     (B, H_kv, Nk, D), Nq and Nk positive, fp16 or bf16, D 64 or 128, on an sm_90 device,
-    strides a descriptor takes (the family's ``tma_accepts``)."""
+    strides a descriptor takes (the family's ``tma_accepts``). With a ``plan``
+    (``LaunchPlan``), a call it has seen launches the compiled binary directly."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     out = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
-    # Through Triton's JIT launch: the plan's direct launches key on tensors, and these
-    # arguments are descriptors (built per call: they hold the tensors' addresses).
     mean_keys = n_k // 2 if causal else n_k
     consumers = D64_CONSUMERS if d == 64 and mean_keys >= D64_CONSUMERS_MIN_KEYS else 2
     tile_m = consumers * BLOCK_M
-    _flash_attn_fwd_gluon_kernel[(_host.cdiv(n_q, tile_m), b * h)](
+    _host.launcher(plan, _flash_attn_fwd_gluon_kernel)[(_host.cdiv(n_q, tile_m), b * h)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
         *out.stride()[:3], h, h // h_kv, n_q, n_k, scale * _LOG2E,
         CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, CONSUMERS=consumers,
@@ -647,12 +646,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-             causal: bool, scale: float, dq_acc: torch.Tensor | None = None) -> None:
+             causal: bool, scale: float, dq_acc: torch.Tensor | None = None, plan=None) -> None:
     """Writes dk and dv (B, H_kv, Nk, D), contiguous, in k's dtype, summed over each GQA
     group, for q and do (B, H, Nq, D), k and v (B, H_kv, Nk, D) as :func:`forward` takes
     them (do too), lse and delta fp32 (B, H, Nq) contiguous (delta = rowsum(dO ∘ O)).
     With ``dq_acc``, fp32 (B, H, Nq, D) contiguous and zeroed, it also adds dq into it
-    (in no fixed order: the bits of dq may differ between runs)."""
+    (in no fixed order: the bits of dq may differ between runs). ``plan`` as for
+    :func:`forward`."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     tile_n = 2 * BWD_BLOCK_N

@@ -462,7 +462,7 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     num_sms = plan.device.num_sms
     if plan.switches.get("GLUON"):
         plan.cached((NAME, "gluon tile"), matmul_gluon.tile)
-        return matmul_gluon.matmul(a, b, out, num_sms)
+        return matmul_gluon.matmul(a, b, out, num_sms, plan)
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]

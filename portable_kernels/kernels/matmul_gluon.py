@@ -224,11 +224,13 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
                             _layout(tuple(block), t.dtype))
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, num_sms: int) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, num_sms: int,
+           plan=None) -> torch.Tensor:
     """Writes ``a @ b`` into ``out`` (M, N), contiguous, in the operands' dtype, and returns
     it, for ``a`` (M, K) and ``b`` (K, N) of one of :data:`DTYPES`, each row- or
     column-major with 16-byte aligned strides and base (``_host.tma_layout``), M, N, K
-    positive, on an sm_90 device with ``num_sms`` SMs; fp32 accumulation."""
+    positive, on an sm_90 device with ``num_sms`` SMs; fp32 accumulation. With a ``plan``
+    (``LaunchPlan``), a call it has seen launches the compiled binary directly."""
     M, K = a.shape
     N = b.shape[1]
     a_t = _host.tma_layout(a) == "col"
@@ -237,9 +239,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, num_sms: int) ->
     b_desc = _descriptor(b.t(), [BLOCK_N, BLOCK_K]) if b_t else _descriptor(b, [BLOCK_K, BLOCK_N])
     c_desc = _descriptor(out, [BLOCK_M // 2, BLOCK_N])
     grid = (min(num_sms, tiles(M, N)),)
-    # Through Triton's JIT launch: the arguments are descriptors, built per call (they hold
-    # the tensors' addresses).
-    _matmul_gluon_kernel[grid](
+    # Descriptors are built per call (they hold the tensors' addresses); a direct launch
+    # keys them by type, as Triton does.
+    _host.launcher(plan, _matmul_gluon_kernel)[grid](
         a_desc, b_desc, c_desc, M, N, K, A_T=a_t, B_T=b_t, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
