@@ -7,8 +7,9 @@ fp16 and bf16; fresh ``torch.randn`` inputs per row. Columns, forward and backwa
   ``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``, the baseline of the ratios;
 - ``flash``: the same under ``SDPBackend.FLASH_ATTENTION`` (FlashAttention-2);
 - ``gluon``: our ``nvidia.hopper_gluon`` variant, forced, the one chosen on sm_90 for
-  these shapes from N = 4096 on (``flash_attn_gluon.py``, FlashAttention-3's schedules in
-  Gluon: the forward, and one backward kernel for dk, dv and dq);
+  these shapes from N = 4096 on (from 2048 at D = 128; ``flash_attn_gluon.py``,
+  FlashAttention-3's schedules in Gluon: the forward, and one backward kernel for dk, dv
+  and dq);
 - ``hopper``: our ``nvidia.hopper`` variant, forced (descriptor loads, pipelined K/V loop,
   autotuned forward; its backward: the generic kernels' code on descriptors);
 - ``generic``: our ``generic`` variant, forced (pointer loads, one config per row size).

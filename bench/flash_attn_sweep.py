@@ -192,7 +192,7 @@ def bwd_plan(q, path: str) -> LaunchPlan:
     """nvidia.hopper's plan, or nvidia.hopper_gluon's with GLUON_DQ as ``path`` says."""
     plan = _PLANS.get(("bwd", q.shape[-1], q.dtype, path))
     if plan is None:
-        fg.MIN_KEYS = 0  # the compile workers' short sequences too
+        fg.MIN_KEYS = {}  # the compile workers' short sequences too
         name = "nvidia.hopper" if path == "hopper" else "nvidia.hopper_gluon"
         with pk.use_variant(flash_attn=name):
             chosen = pk.get_kernel("flash_attn").plan(q, q, q)

@@ -29,7 +29,7 @@ GLUON = "nvidia.hopper_gluon"
 def small_problems(monkeypatch):
     """The tests' sequences are far below MIN_KEYS (the automatic choice's threshold);
     forced runs of them still check the kernel."""
-    monkeypatch.setattr(fg, "MIN_KEYS", 0)
+    monkeypatch.setattr(fg, "MIN_KEYS", {})
 
 
 def _skip_unless_gluon_runs(device, dims=(1, 2, 2, 128, 128, 64)) -> None:
@@ -263,18 +263,20 @@ def test_backward_launch_fuses_dq_only_with_its_buffer(monkeypatch):
     assert dq_desc.base.data_ptr() == acc.data_ptr()
 
 
-def test_short_key_sequences_stay_on_nvidia_hopper(monkeypatch):
-    """Below MIN_KEYS (Nk=1024 measured slower than nvidia.hopper) the variant declines,
-    naming the threshold; from it on it takes the call."""
-    monkeypatch.setattr(fg, "MIN_KEYS", 4096)
-    q = torch.empty(1, 2, 128, 64, device="meta")
-    short = torch.empty(1, 2, 1024, 64, device="meta")
-    assert "Nk is below MIN_KEYS=4096" in fg.issue(q, short, short)
+@pytest.mark.parametrize("d, least", [(64, 4096), (128, 2048)])
+def test_short_key_sequences_stay_on_nvidia_hopper(d, least, monkeypatch):
+    """Below its head dim's MIN_KEYS (shorter key loops measured slower than nvidia.hopper)
+    the variant declines, naming the threshold; from it on it takes the call."""
+    monkeypatch.setattr(fg, "MIN_KEYS", {64: 4096, 128: 2048})
+    q = torch.empty(1, 2, 128, d, device="meta")
+
+    def keys(n):
+        return torch.empty(1, 2, n, d, device="meta")
+
+    assert f"Nk is below {least} keys (MIN_KEYS at D={d})" in fg.issue(q, keys(least - 1), keys(least - 1))
     # One message for every short length: one selection-cache entry.
-    shorter = torch.empty(1, 2, 100, 64, device="meta")
-    assert fg.issue(q, shorter, shorter) == fg.issue(q, short, short)
-    long = torch.empty(1, 2, 4096, 64, device="meta")
-    assert fg.issue(q, long, long) == ""
+    assert fg.issue(q, keys(100), keys(100)) == fg.issue(q, keys(least - 1), keys(least - 1))
+    assert fg.issue(q, keys(least), keys(least)) == ""
 
 
 def test_sm90_only_and_never_on_the_interpreter():

@@ -48,7 +48,8 @@ bits depend on the order the tiles' adds land in.
 Limits (``gluon_accepts`` in ``flash_attn.py``, the NVIDIA backend's ``accepts`` and
 :func:`issue`): sm_90 CUDA tensors (Gluon does not run under Triton's interpreter), Triton
 3.6, the descriptor predicate of the family (fp16/bf16, D 64 or 128, 16-byte aligned
-strides), and at least :data:`MIN_KEYS` keys. Other problems go to ``nvidia.hopper``.
+strides), and at least :data:`MIN_KEYS` keys (by head dim). Other problems go to
+``nvidia.hopper``.
 ``causal`` is top-left aligned as in the rest of the family.
 """
 from __future__ import annotations
@@ -93,14 +94,16 @@ PRODUCER_REGS = 24
 #: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
 #: 1% either way at D=128 (``bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1``).
 PINGPONG = True
-#: The fewest keys a call must have for the variant to take it. Each program streams all
-#: Nk keys after a fixed set-up (barriers, the query tile, the first block's scores alone)
-#: and before a fixed epilogue, which a short key loop does not amortize. On the H200
-#: (B=4, H=32, fp16, 2026-11-30) at Nk=1024 it ran below nvidia.hopper at D=64 (0.70 and
-#: 0.95x cuDNN against 0.90 and 1.29x) and level at D=128, also with direct launches; from
-#: Nk=4096 on it ran 1.05-1.25x nvidia.hopper at D=128 and 0.94-1.04x at D=64. Nk=2048 was
-#: not measured.
-MIN_KEYS = 4096
+#: The fewest keys a call must have for the variant to take it, by head dim. Each program
+#: streams all Nk keys after a fixed set-up (barriers, the query tile, the first block's
+#: scores alone) and before a fixed epilogue, which a short key loop does not amortize.
+#: Timed eagerly in alternation with nvidia.hopper and cuDNN on the H200 (B=4, H=32, fp16,
+#: direct launches, two runs on 2026-11-30, the second ``bench/variants_ab.py``): at D=128
+#: from Nk=2048 on it ran ahead in every row of both passes (forward 0.87-0.95x cuDNN against
+#: 0.80-0.87, backward 0.87-0.94 against 0.75-0.82); at Nk=1024 forward ahead, backward
+#: mixed. At D=64 it ran below nvidia.hopper in the forward at Nk=1024 and 2048 (0.63-0.94x
+#: cuDNN against 0.84-0.97) and ahead from 4096.
+MIN_KEYS = {64: 4096, 128: 2048}
 _LOG2E = 1.4426950408889634
 
 
@@ -125,10 +128,12 @@ def tile() -> FixedTile:
 def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """Why the variant declines q (B, H, Nq, D), k, v (B, H_kv, Nk, D) beyond the descriptor
     predicate (dtype, D, alignment), or "". Runs on every CUDA call; the message does not
-    name Nk, so that the selection cache keeps one entry for every short sequence."""
-    if k.shape[2] < MIN_KEYS:
-        return (f"Nk is below MIN_KEYS={MIN_KEYS}, where its fixed set-up per program "
-                "measured slower than nvidia.hopper")
+    name Nk, so that the selection cache keeps one entry per head dim for short sequences."""
+    d = q.shape[-1]
+    least = MIN_KEYS.get(d, 0)
+    if k.shape[2] < least:
+        return (f"Nk is below {least} keys (MIN_KEYS at D={d}), where its fixed set-up per "
+                "program measured slower than nvidia.hopper")
     return ""
 
 
@@ -660,7 +665,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     fused = dq_acc is not None
     dq_desc = (TensorDescriptor(dq_acc.view(-1, d), [b * h * n_q, d], [d, 1], [BWD_BLOCK_M, 32],
                                 _DQ_LAYOUT.value) if fused else q_desc)
-    _flash_attn_bwd_gluon_kernel[(_host.cdiv(n_k, tile_n), b * h_kv)](
+    _host.launcher(plan, _flash_attn_bwd_gluon_kernel)[(_host.cdiv(n_k, tile_n), b * h_kv)](
         q_desc, _descriptor(k, tile_n), _descriptor(v, tile_n), _descriptor(do, BWD_BLOCK_M),
         dq_desc, lse, delta, dk, dv,
         *dk.stride()[:3], *dv.stride()[:3], h, h_kv, h // h_kv, n_q, n_k, scale,
