@@ -91,6 +91,30 @@ def test_matmul_gluon_ab_settings_name_module_constants():
         ab.parse_setting("NOPE=1")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+def test_variants_ab_exits_with_the_reason_without_a_gpu():
+    proc = subprocess.run([sys.executable, str(BENCH / "variants_ab.py"), "matmul",
+                           "--shapes", "16x64x64"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "bench/variants_ab.py measures NVIDIA GPUs" in proc.stderr
+    assert "tests/test_matmul.py" in proc.stderr
+
+
+def test_variants_ab_overrides_module_constants(monkeypatch):
+    """``--set MODULE.NAME=VALUE`` sets a kernels module's constant to a Python literal,
+    and names what does not exist."""
+    from portable_kernels.kernels import flash_attn_gluon as fg
+    from portable_kernels.kernels import matmul_gluon as mg
+    ab = _load("variants_ab")
+    monkeypatch.setattr(mg, "MIN_TILES", mg.MIN_TILES)
+    monkeypatch.setattr(fg, "MIN_KEYS", fg.MIN_KEYS)
+    ab.override("matmul_gluon.MIN_TILES=1")
+    ab.override("flash_attn_gluon.MIN_KEYS={64: 0, 128: 1024}")
+    assert mg.MIN_TILES == 1 and fg.MIN_KEYS == {64: 0, 128: 1024}
+    with pytest.raises(SystemExit, match="matmul_gluon has no NOPE"):
+        ab.override("matmul_gluon.NOPE=1")
+
+
 def test_matmul_bench_cold_rotates_operand_copies():
     bench = _load("matmul")
     copies = [(i, -i) for i in range(3)]

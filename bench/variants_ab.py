@@ -1,0 +1,201 @@
+"""Registered variants of matmul or flash_attn timed eagerly in alternation with the vendor's
+operator, on an NVIDIA GPU.
+
+The full benchmarks (``matmul.py``, ``flash_attn.py``) time one implementation after
+another, once per row, so a drift of the clocks or of the host's speed between two columns
+reads as a difference between them. On small problems, where a call is short, that moved
+ratios by 0.3 between runs (16x4096x4096: 0.66x cuBLAS in one full run, 0.98x in another,
+with the same config). Here each of ``--variants`` and the vendor's operator are timed in
+turn, ``--rounds`` times, and the table gives the median over rounds of each
+``triton.testing.do_bench`` median (CUDA events, L2 flushed before each call), with the
+host's time to enqueue one call (300 calls without synchronizing, median of three). A
+call costs the larger of its host and GPU time; where the GPU's is the larger, enough
+calls fill the launch queue and the host column shows the GPU's time instead.
+
+- ``matmul``: shapes ``MxNxK``; the vendor is ``torch.matmul`` (cuBLAS).
+- ``flash_attn``: shapes ``BxHxNxD`` (self-attention, Nq = Nk = N), full and causal
+  (``--causal``); the vendors are torch SDPA with the cuDNN and with the flash backend;
+  forward, and with ``--backward`` also ``torch.autograd.grad`` after one forward.
+
+Our variants run forced, through the plans dispatch builds, on fresh ``torch.randn``
+inputs, each checked before it is timed (matmul: against an fp32 product, "dot"
+tolerance; flash_attn: against cuDNN's output and gradients, "attention" tolerance).
+``--set MODULE.NAME=VALUE`` overrides a constant of ``portable_kernels.kernels.MODULE``
+first (a Python literal), e.g. ``matmul_gluon.MIN_TILES=1`` to time a variant on problems
+its threshold leaves to another.
+
+    python bench/variants_ab.py matmul --shapes 16x4096x4096,128x4096x4096 \\
+        [--variants nvidia.persistent_tma,generic] [--dtypes fp16,bf16] [--rounds 5]
+    python bench/variants_ab.py flash_attn --shapes 4x32x1024x128 [--causal both]
+        [--variants nvidia.hopper,nvidia.hopper_gluon] [--backward] [--set ...]
+
+Prints TFLOP/s (matmul 2·M·N·K; attention 4·B·H·N²·D, half when causal, the backward 2.5
+times that) and ratios to the first vendor column; for matmul also the config each
+autotuned variant chose (tuned on the row's first call).
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import argparse
+import ast
+import functools
+import importlib
+import statistics
+import time
+
+import torch
+import triton
+
+from portable_kernels import dispatch
+from portable_kernels.errors import VariantUnavailableError
+from portable_kernels.kernels import matmul as mm
+from portable_kernels.testing import assert_close, tolerance
+
+import _common  # bench/, beside this script
+import flash_attn as bench_fa  # bench/flash_attn.py: SDPA backends, our plans, the checks
+
+DEFAULT_VARIANTS = {"matmul": "nvidia.persistent_tma,generic",
+                    "flash_attn": "nvidia.hopper_gluon,nvidia.hopper"}
+
+
+def enqueue_us(fn, calls: int = 300) -> float:
+    """Host µs to enqueue one call of ``fn``: median of three runs of ``calls`` calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
+def override(assignment: str) -> None:
+    target, value = assignment.split("=", 1)
+    module_name, name = target.rsplit(".", 1)
+    module = importlib.import_module(f"portable_kernels.kernels.{module_name}")
+    if not hasattr(module, name):
+        raise SystemExit(f"--set: portable_kernels.kernels.{module_name} has no {name}")
+    setattr(module, name, ast.literal_eval(value))
+
+
+def matmul_cases(shape: str, dtype: torch.dtype, variants: list[str], _args) -> tuple[dict, float]:
+    """``({column: fn}, flops)`` for one matmul row, ours checked."""
+    m, n, k = (int(x) for x in shape.lower().split("x"))
+    a = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(k, n, device="cuda").to(dtype)
+    ref = a.float() @ b.float()
+    fns = {"cuBLAS": lambda: torch.matmul(a, b)}
+    verdicts = {v.name: v for v in pk.explain("matmul", a, b).verdicts}
+    for name in variants:
+        verdict = verdicts.get(name)
+        if verdict is None or not verdict.runnable:
+            print(f"  {name} not timed on {shape}: {verdict.reason if verdict else 'not registered'}")
+            continue
+        with pk.use_variant(matmul=name):
+            plan = dispatch._launch_plan(pk.explain("matmul", a, b))
+        fns[name] = functools.partial(mm.launch, plan, a, b)
+        assert_close(fns[name](), ref, tolerance(dtype, "dot"), f"{name} {shape}")
+        chosen = mm.chosen_config(plan, a, b)  # None for a fixed-tile (Gluon) plan
+        if chosen:
+            print(f"  {name} {shape} {str(dtype).replace('torch.', '')} config: "
+                  + ", ".join(f"{key}: {value}" for key, value in chosen.items()))
+    return {"fwd": fns}, 2.0 * m * n * k
+
+
+def attention_cases(shape: str, dtype: torch.dtype, variants: list[str], args,
+                    causal: bool) -> tuple[dict, float]:
+    """``({pass: {column: fn}}, forward flops)`` for one attention row, ours checked."""
+    from torch.nn.attention import SDPBackend
+
+    b, h, n, d = (int(x) for x in shape.lower().split("x"))
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    runs = {"cuDNN": bench_fa.sdpa(SDPBackend.CUDNN_ATTENTION),
+            "SDPA-flash": bench_fa.sdpa(SDPBackend.FLASH_ATTENTION)}
+    for name in variants:
+        try:
+            runs[name] = bench_fa.ours(name, q, k, v, causal)[0]
+        except VariantUnavailableError as exc:
+            print(f"  {name} not timed on {shape}: {str(exc).splitlines()[0]}")
+    passes = {"fwd": {}, "bwd": {}}
+    ref = None
+    for name, run in runs.items():
+        out = run(q, k, v, causal)
+        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        if ref is None:
+            ref = (out.detach(), grads)
+        elif name in variants:
+            wrong = bench_fa.check(out, grads, *ref, dtype)
+            if wrong:
+                raise SystemExit(f"{name} {shape} causal={causal}: {wrong}")
+        passes["fwd"][name] = functools.partial(run, q, k, v, causal)
+        if args.backward:
+            passes["bwd"][name] = functools.partial(torch.autograd.grad, out, (q, k, v), dout,
+                                                    retain_graph=True)
+    flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
+    return {p: fns for p, fns in passes.items() if fns}, flops
+
+
+def time_row(passes: dict, flops: float, rounds: int) -> dict:
+    """``{pass: {column: (TFLOP/s, host µs)}}``, columns timed in alternation."""
+    times = {p: {name: [] for name in fns} for p, fns in passes.items()}
+    for _ in range(rounds):
+        for p, fns in passes.items():
+            for name, fn in fns.items():
+                times[p][name].append(triton.testing.do_bench(fn, return_mode="median"))
+    out = {}
+    for p, fns in passes.items():
+        scale = 2.5 if p == "bwd" else 1.0
+        out[p] = {name: (scale * flops / statistics.median(times[p][name]) * 1e-9, enqueue_us(fn))
+                  for name, fn in fns.items()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=sorted(DEFAULT_VARIANTS))
+    parser.add_argument("--shapes", required=True, help="comma-separated MxNxK or BxHxNxD")
+    parser.add_argument("--variants", default="", help="comma-separated registered variants")
+    parser.add_argument("--dtypes", default="fp16", help="comma-separated: fp16, bf16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    parser.add_argument("--backward", action="store_true", help="flash_attn: time the backward too")
+    parser.add_argument("--set", action="append", default=[], dest="overrides",
+                        help="MODULE.NAME=VALUE, a constant of portable_kernels.kernels.MODULE")
+    args = parser.parse_args()
+    info = _common.nvidia_gpu("bench/variants_ab.py", "our variants against the vendor's operators",
+                              f"tests/test_{args.kernel}.py")
+    for assignment in args.overrides:
+        override(assignment)
+    variants = [v for v in (args.variants or DEFAULT_VARIANTS[args.kernel]).split(",") if v]
+    print(f"{args.kernel} eager, in alternation · {info.name} · torch {torch.__version__} · "
+          f"triton {triton.__version__} · {args.rounds} rounds"
+          + (f" · set {', '.join(args.overrides)}" if args.overrides else ""))
+    print("TFLOP/s (ratio to the first vendor column) [host µs to enqueue a call]")
+    rows = [(shape, dtype, causal) for dtype in _common.dtypes(args.dtypes)
+            for shape in args.shapes.split(",")
+            for causal in ({"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+                           if args.kernel == "flash_attn" else (None,))]
+    for shape, dtype, causal in rows:
+        if args.kernel == "matmul":
+            passes, flops = matmul_cases(shape, dtype, variants, args)
+        else:
+            passes, flops = attention_cases(shape, dtype, variants, args, causal)
+        result = time_row(passes, flops, args.rounds)
+        label = f"{shape} {str(dtype).replace('torch.', '')}"
+        if causal is not None:
+            label += " causal" if causal else " full"
+        for p, cells in result.items():
+            base = next(iter(cells.values()))[0]
+            text = " | ".join(f"{name} {tf:.0f} ({tf / base:.2f}) [{us:.0f}]"
+                              for name, (tf, us) in cells.items())
+            print(f"{label} {p}: {text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
