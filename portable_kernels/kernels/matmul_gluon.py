@@ -69,9 +69,10 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 24
 #: The fewest output tiles (``BLOCK_M`` × ``BLOCK_N``) a call must have for the kernel to
 #: take it: one per SM of an H200. Below, some SMs would idle; the Triton kernel splits K
-#: there (128×14336×14336, 56 tiles: 0.72x cuBLAS here, 0.91x that kernel's). At 2048³
-#: (128 tiles) eager calls ran at 0.64x cuBLAS, probably bound by this launcher's host
-#: time (H200, 2026-11-30).
+#: there (128×14336×14336, 56 tiles: 0.72x cuBLAS here, 0.91x that kernel's). At 128
+#: tiles (2048³, 1024×4096×4096) this kernel's time varied up to 2x from run to run, also
+#: with direct launches (0.45-0.97x cuBLAS at 2048³, where the Triton kernel held 0.73-0.78x;
+#: H200, 2026-11-30, ``bench/variants_ab.py``).
 MIN_TILES = 132
 #: Operand dtypes (sm_90's fp8 MMAs read only K-major operands and need their accumulation
 #: promoted; the Triton kernel does both).
