@@ -100,7 +100,7 @@ def test_calls_that_may_select_another_binary_take_the_jit_path(cuda_stand_ins, 
     assert len(fn.calls) == 2 and launch.launches == 1
 
 
-def _descriptor(t, block=(8, 8), swizzle=128):
+def _descriptor(t, block=(8, 64), swizzle=128):
     """A Gluon host descriptor of the 2-D ``t``: Triton specializes on its type string
     (dtype, block shape, layout), not on the addresses, sizes and strides it carries."""
     from triton.experimental.gluon import language as gl
@@ -117,10 +117,10 @@ def test_descriptor_arguments_are_keyed_by_type(cuda_stand_ins, change):
     fn = _Jit()
     launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True)
     y = torch.zeros(8, dtype=torch.float16)
-    launch(_grid, (_descriptor(torch.zeros(16, 32, dtype=torch.float16)), y, 8, 0.5), {})
+    launch(_grid, (_descriptor(torch.zeros(16, 64, dtype=torch.float16)), y, 8, 0.5), {})
     other = torch.zeros(48, 64, dtype=torch.float16)
     desc = {"none": lambda: _descriptor(other),
-            "block shape": lambda: _descriptor(other, block=(16, 8)),
+            "block shape": lambda: _descriptor(other, block=(16, 64)),
             "layout": lambda: _descriptor(other, swizzle=64),
             "dtype": lambda: _descriptor(other.float())}[change]()
     launch(_grid, (desc, y, 8, 0.5), {})
