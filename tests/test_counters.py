@@ -21,6 +21,7 @@ def stream(monkeypatch):
     streams) and ``where["capture"]`` (a capture id, or None when not capturing)."""
     where = {"key": ("dev", 1), "capture": None}
     monkeypatch.setattr(_counters, "_kept", {})
+    monkeypatch.setattr(_counters, "_kept_scratch", {})
     monkeypatch.setattr(_counters, "_stream_key", lambda device: None if where["key"] is None
                         else (where["key"], where["capture"]))
     return where
@@ -60,6 +61,23 @@ def test_fresh_zeros_without_streams(stream):
     assert a is not b and a.numel() == 5 and not a.any() and not b.any()
 
 
+def test_scratch_is_kept_like_the_counters_apart_from_them(stream):
+    """fp32 scratch (split-K partials): one buffer per stream and per capture, grown by
+    doubling, never the counters' buffer; fresh memory where streams cannot be told."""
+    cpu = torch.device("cpu")
+    first = _counters.kept_scratch(cpu, 1000)
+    assert first.dtype == torch.float32 and first.numel() >= 1000
+    assert _counters.kept_scratch(cpu, 10) is first
+    assert _counters.kept_zeros(cpu, 10).dtype == torch.int32  # a buffer of its own
+    grown = _counters.kept_scratch(cpu, first.numel() + 1)
+    assert grown is not first and grown.numel() >= 2 * first.numel()
+    stream["capture"] = 3
+    assert _counters.kept_scratch(cpu, 10) is not grown
+    stream["key"] = None
+    a, b = (_counters.kept_scratch(cpu, 7) for _ in range(2))
+    assert a is not b and a.numel() == 7
+
+
 def test_the_interpreter_and_other_devices_get_fresh_zeros():
     # The real key function: only CUDA-type devices have streams to keep buffers on.
     assert _counters._stream_key(torch.device("cpu")) is None
@@ -77,6 +95,7 @@ def test_matmuls_of_different_splits_share_kept_counters(stream, device, gen):
         _check(mm.launch(_plan_with("generic", a, b, SPLIT_K=split), a, b), a, b)
         assert not _counters._kept[stream["key"]][1].any()
     assert len(_counters._kept) == 1
+    assert len(_counters._kept_scratch) == 1  # the partial tiles' memory, kept too
 
 
 @NEEDS_CUDA

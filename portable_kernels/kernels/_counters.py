@@ -1,4 +1,5 @@
-"""Counters that kernels leave at zero, kept between launches instead of zero-filled per call.
+"""Counters that kernels leave at zero, kept between launches instead of zero-filled per call;
+and, kept the same way, scratch memory a kernel writes before it reads (:func:`kept_scratch`).
 
 The split-K matmul counts the slices of each output tile in on an int32 counter, and the
 slice that arrives last resets it to zero. Zero-filling fresh counters for every call costs
@@ -86,17 +87,34 @@ def kept_zeros(device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` int32 zeros on ``device``, for a kernel that leaves each counter it
     uses at zero when it ends; the same buffer again for the next call on this stream
     (see the module's notes for graphs and devices without streams)."""
+    return _kept_buffer(_kept, device, n, lambda size: torch.zeros(size, dtype=torch.int32, device=device))
+
+
+def kept_scratch(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` fp32 elements of uninitialized memory on ``device`` for a kernel
+    that writes every element it reads earlier in the same launch (the split-K partial
+    tiles): kept per stream, and per graph capture, as :func:`kept_zeros` keeps its
+    buffers, so that an eager call does not allocate it (measured in alternation on an
+    H200 host: 1.5-1.9 µs less host time per split-K call, of 36-68, 2026-11-30)."""
+    return _kept_buffer(_kept_scratch, device, n, lambda size: torch.empty(size, dtype=torch.float32, device=device))
+
+
+# (device, stream handle) -> (capture id or None, fp32 tensor): kept_scratch's buffers
+_kept_scratch: dict[tuple, tuple[int | None, torch.Tensor]] = {}
+
+
+def _kept_buffer(store: dict, device: torch.device, n: int, make) -> torch.Tensor:
     where = _stream_key(device)
     if where is None:
-        return torch.zeros(n, dtype=torch.int32, device=device)
+        return make(n)
     key, ident = where
-    kept = _kept.get(key)
+    kept = store.get(key)
     if kept is not None and kept[0] == ident and kept[1].numel() >= n:
         return kept[1]
     with _lock:
         size = max(_MIN, n if kept is None or kept[0] != ident else max(n, 2 * kept[1].numel()))
         # Replacing the buffer of a finished capture drops it as the graph's intermediates
         # are dropped: the graph keeps the memory; its replays zero it first.
-        buf = torch.zeros(size, dtype=torch.int32, device=device)
-        _kept[key] = (ident, buf)
+        buf = make(size)
+        store[key] = (ident, buf)
     return buf

@@ -41,9 +41,9 @@ times as many programs stream the operands. Every slice stores its fp32 partial 
 increment with release/acquire semantics); the slice that arrives last sums the
 ``SPLIT_K`` partials in slice order (so the result does not depend on arrival order),
 stores the tile and resets the counter to zero. One launch, no second pass; the launcher
-allocates the partials only for problems where the pruning keeps a split config, and since
-each launch leaves the counters at zero, it keeps them per stream (``_counters``) instead
-of zero-filling new ones per call.
+passes a workspace only for problems where the pruning keeps a split config, kept per
+stream (``_counters``) instead of allocated per call, and since each launch leaves the
+counters at zero, it keeps them the same way instead of zero-filling new ones per call.
 
 Variants: ``generic`` (pointer loads, one program per tile) here; the NVIDIA backend
 registers ``nvidia.persistent_tma`` (TMA + PERSISTENT + WARP_SPECIALIZE) over the same
@@ -488,7 +488,10 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     else:
         slices = tiles = 0  # tuned to an unsplit config: no per-call allocation, no zeroing
     if slices:
-        partials = torch.empty((slices, M, N), dtype=torch.float32, device=a.device)
+        # Flat: the kernel finds each plane from M and N. Every slice writes its partial
+        # tile before the last one reads them all, so memory kept from earlier calls on
+        # this stream serves.
+        partials = _counters.kept_scratch(a.device, slices * M * N)
         counters = _counters.kept_zeros(a.device, tiles)  # the kernel leaves them at zero
     else:
         # Never read; real tensors of the same dtypes, so that the kernels compiled for
