@@ -41,6 +41,8 @@ except ImportError:  # a CPU-only torch, or a future one without it
 
 # (device, stream handle) -> (capture id or None, int32 tensor)
 _kept: dict[tuple, tuple[int | None, torch.Tensor]] = {}
+# the same for kept_scratch's fp32 buffers
+_kept_scratch: dict[tuple, tuple[int | None, torch.Tensor]] = {}
 _lock = threading.Lock()
 _MIN = 256  # counters; grown by doubling, so a few sizes cover every problem
 
@@ -95,12 +97,10 @@ def kept_scratch(device: torch.device, n: int) -> torch.Tensor:
     that writes every element it reads earlier in the same launch (the split-K partial
     tiles): kept per stream, and per graph capture, as :func:`kept_zeros` keeps its
     buffers, so that an eager call does not allocate it (measured in alternation on an
-    H200 host: 1.5-1.9 µs less host time per split-K call, of 36-68, 2026-11-30)."""
+    H200 host: 1.5-1.9 µs less host time per split-K call, of 36-68, 2026-11-30). A
+    stream's buffer lives as long as the process and holds at most twice the largest
+    request made on it."""
     return _kept_buffer(_kept_scratch, device, n, lambda size: torch.empty(size, dtype=torch.float32, device=device))
-
-
-# (device, stream handle) -> (capture id or None, fp32 tensor): kept_scratch's buffers
-_kept_scratch: dict[tuple, tuple[int | None, torch.Tensor]] = {}
 
 
 def _kept_buffer(store: dict, device: torch.device, n: int, make) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _kept_buffer(store: dict, device: torch.device, n: int, make) -> torch.Tenso
     with _lock:
         size = max(_MIN, n if kept is None or kept[0] != ident else max(n, 2 * kept[1].numel()))
         # Replacing the buffer of a finished capture drops it as the graph's intermediates
-        # are dropped: the graph keeps the memory; its replays zero it first.
+        # are dropped: the graph keeps the memory (and counters' replays zero it first).
         buf = make(size)
         store[key] = (ident, buf)
     return buf
