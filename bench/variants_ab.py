@@ -8,9 +8,9 @@ ratios by 0.3 between runs (16x4096x4096: 0.66x cuBLAS in one full run, 0.98x in
 with the same config). Here each of ``--variants`` and the vendor's operator are timed in
 turn, ``--rounds`` times, and the table gives the median over rounds of each
 ``triton.testing.do_bench`` median (CUDA events, L2 flushed before each call), with the
-host's time to enqueue one call (300 calls without synchronizing, median of three). A
-call costs the larger of its host and GPU time; where the GPU's is the larger, enough
-calls fill the launch queue and the host column shows the GPU's time instead.
+µs per call of back-to-back calls (300 calls, then one synchronize; median of three, as
+``host_per_call.py`` times them): the larger of a call's host and GPU time, so where it
+exceeds the do_bench time the host sets the pace of eager calls.
 
 - ``matmul``: shapes ``MxNxK``; the vendor is ``torch.matmul`` (cuBLAS).
 - ``flash_attn``: shapes ``BxHxNxD`` (self-attention, Nq = Nk = N), full and causal
@@ -42,7 +42,6 @@ import ast
 import functools
 import importlib
 import statistics
-import time
 
 import torch
 import triton
@@ -53,25 +52,11 @@ from portable_kernels.kernels import matmul as mm
 from portable_kernels.testing import assert_close, tolerance
 
 import _common  # bench/, beside this script
+from matmul_launch_overhead import per_call_us  # the host-per-call timer of host_per_call.py
 import flash_attn as bench_fa  # bench/flash_attn.py: SDPA backends, our plans, the checks
 
 DEFAULT_VARIANTS = {"matmul": "nvidia.persistent_tma,generic",
                     "flash_attn": "nvidia.hopper_gluon,nvidia.hopper"}
-
-
-def enqueue_us(fn, calls: int = 300) -> float:
-    """Host µs to enqueue one call of ``fn``: median of three runs of ``calls`` calls."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(runs)
 
 
 def override(assignment: str) -> None:
@@ -151,7 +136,7 @@ def time_row(passes: dict, flops: float, rounds: int) -> dict:
     out = {}
     for p, fns in passes.items():
         scale = 2.5 if p == "bwd" else 1.0
-        out[p] = {name: (scale * flops / statistics.median(times[p][name]) * 1e-9, enqueue_us(fn))
+        out[p] = {name: (scale * flops / statistics.median(times[p][name]) * 1e-9, per_call_us(fn, 300, 3))
                   for name, fn in fns.items()}
     return out
 
@@ -176,7 +161,7 @@ def main() -> None:
     print(f"{args.kernel} eager, in alternation · {info.name} · torch {torch.__version__} · "
           f"triton {triton.__version__} · {args.rounds} rounds"
           + (f" · set {', '.join(args.overrides)}" if args.overrides else ""))
-    print("TFLOP/s (ratio to the first vendor column) [host µs to enqueue a call]")
+    print("TFLOP/s (ratio to the first vendor column) [µs per back-to-back call]")
     rows = [(shape, dtype, causal) for dtype in _common.dtypes(args.dtypes)
             for shape in args.shapes.split(",")
             for causal in ({"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
