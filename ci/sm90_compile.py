@@ -213,6 +213,12 @@ def flash_attn_cases(host, device, quick: bool):
                 if d == 64:  # long key loops at D=64 take three consumer warpgroups
                     yield (name.replace("forward", "forward, 3 consumers"),
                            lambda q=q, causal=causal: _three_consumers(fg, q, causal))
+                # More tiles than an H200 has SMs: a persistent grid walks them (PERSISTENT;
+                # two consumers only).
+                wide = torch.empty(1, 64, 512, d, dtype=dtype)
+                yield (name.replace("forward", "forward, persistent"),
+                       lambda q=wide, causal=causal, d=d:
+                       fg.forward(q, q, q, causal, 1.0 / math.sqrt(d)))
                 lse = torch.empty(1, 2, 256)
                 for acc in (None, torch.empty(1, 2, 256, d)):  # with dq added up in it
                     yield (name.replace("forward", "dk/dv" if acc is None else "dk/dv/dq"), (

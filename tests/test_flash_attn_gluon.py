@@ -8,6 +8,8 @@ tested everywhere (``ci/sm90_compile.py`` compiles the kernel for sm_90 on the C
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import portable_kernels as pk
 from portable_kernels import plugins, tune
 from conftest import DEVICE
 from portable_kernels.errors import VariantUnavailableError
+from portable_kernels.kernels import _counters
 from portable_kernels.kernels import flash_attn as fa
 from portable_kernels.kernels import flash_attn_gluon as fg
 from portable_kernels.launch import LaunchPlan
@@ -82,6 +85,33 @@ def test_three_consumers_at_d64(dims, causal, device, gen, nan_empty, monkeypatc
     monkeypatch.setattr(fg, "D64_CONSUMERS_MIN_KEYS", 0)
     assert fg.D64_CONSUMERS == 3
     _check(_forced, dims, causal, torch.float16, device, gen)
+
+
+# (B, H, H_kv, Nq, Nk, D): more tiles than an H200 has SMs (192 and 240), so a persistent
+# grid's programs take tiles from the launch's queue: ragged Nq and Nk, GQA, causal Nq < Nk.
+WALK_SHAPES = [(2, 40, 20, 300, 520, 64), (3, 32, 8, 250, 250, 128)]
+
+
+@pytest.mark.parametrize("dims", WALK_SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("programs", [None, 3], ids=["one per SM", "3 programs"])
+def test_persistent_grid_takes_every_tile_once(dims, causal, programs, device, gen, nan_empty,
+                                               monkeypatch):
+    """PERSISTENT: each program takes tiles until the queue has none left. Every row is
+    written (outputs start as NaN) and right, forward and backward; a second call gets a
+    queue whose counter the first left at zero, and it is zero after it too."""
+    _skip_unless_gluon_runs(device, dims)
+    assert fg.PERSISTENT
+    if programs:
+        monkeypatch.setattr(fg, "_num_sms", lambda plan, device: programs)
+    b, h, _, n_q, _, d = dims
+    assert -(-n_q // 128) * b * h > torch.cuda.get_device_properties(
+        device).multi_processor_count, "the shape must have more tiles than SMs"
+    for _ in range(2):
+        _check(_forced, dims, causal, torch.float16, device, gen)
+    queue = _counters.kept_zeros(torch.device("cuda", torch.cuda.current_device()), 1)
+    torch.cuda.synchronize()
+    assert not queue.any(), "a launch left the tile queue's counter set"
 
 
 @pytest.mark.parametrize("sm_scale", [0.3, -0.2, 0.0], ids=["positive", "negative", "zero"])
@@ -242,7 +272,40 @@ def test_forward_consumers_follow_the_mean_key_loop(d, causal, n_k, consumers, m
     (grid, _, kwargs), = launches.calls
     assert kwargs["CONSUMERS"] == consumers
     assert kwargs["CONSUMER_REGS"] == fg.CONSUMER_REGS[consumers]
-    assert grid == (-(-1000 // (64 * consumers)), 2 * 4)
+    assert grid == (-(-1000 // (64 * consumers)) * 2 * 4,) and kwargs["WALK"] is False
+
+
+@pytest.mark.parametrize("persistent", [1, 0])
+def test_forward_walks_tiles_only_past_one_per_sm(persistent, monkeypatch):
+    """With PERSISTENT, more tiles than SMs, two consumers and a mean key loop under
+    PERSISTENT_MAX_KEYS: one program per SM (the plan's count), walking tiles drawn from a
+    kept counter that starts at zero; otherwise one program per tile, the counter not
+    passed. Host logic only: the launch is recorded, not run."""
+    launches = _Launches()
+    monkeypatch.setattr(fg, "_flash_attn_fwd_gluon_kernel", launches)
+    monkeypatch.setattr(fg, "PERSISTENT", persistent)
+    h200 = plugins.host().emulation_profile("h200")
+    plan = types.SimpleNamespace(device=h200)
+    monkeypatch.setattr(fg._host, "launcher", lambda plan, kernel: kernel)
+    few = torch.empty(1, 4, 1000, 128, dtype=torch.float16)    # 32 tiles
+    many = torch.empty(4, 32, 1000, 128, dtype=torch.float16)  # 1024 tiles
+    fg.forward(few, few, few, False, 0.1, plan)
+    fg.forward(many, many, many, True, 0.1, plan)
+    three = torch.empty(4, 32, 16384, 64, dtype=torch.float16)  # three consumers
+    fg.forward(three, three, three, True, 0.1, plan)
+    long = torch.empty(1, 32, 2 * fg.PERSISTENT_MAX_KEYS, 128, dtype=torch.float16)
+    fg.forward(long, long, long, True, 0.1, plan)  # mean key loop Nk / 2 = the limit
+    (grid_few, args_few, kw_few), (grid_many, args_many, kw_many), (_, _, kw_three), \
+        (_, _, kw_long) = launches.calls
+    assert kw_three["CONSUMERS"] == 3 and kw_three["WALK"] is False
+    assert kw_long["CONSUMERS"] == 2 and kw_long["WALK"] is False
+    assert grid_few == (32,) and kw_few["WALK"] is False
+    if persistent:
+        assert grid_many == (h200.num_sms,) and kw_many["WALK"] is True
+        queue = args_many[5]
+        assert queue.dtype == torch.int32 and not queue.any()
+    else:
+        assert grid_many == (1024,) and kw_many["WALK"] is False
 
 
 def test_backward_launch_fuses_dq_only_with_its_buffer(monkeypatch):

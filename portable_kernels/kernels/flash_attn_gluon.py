@@ -11,12 +11,17 @@ The math is the family's: the same online softmax with exp2 and the scale folded
 same ``out`` and ``lse`` (fp32, natural log, (B, H, Nq)) contract and the same ``delta``
 (the family's preprocess kernel computes it), so either side runs with the family's other.
 
-Forward (:func:`forward`). One program per 128 query rows (192 with three consumers) of
-one (batch, head), split in partitions:
+Forward (:func:`forward`). A tile is 128 query rows (192 with three consumers) of one
+(batch, head). A program takes one tile, or with a persistent grid (:data:`PERSISTENT`,
+one program per SM) a first tile and then the next one left in the launch's order each
+time it frees up, drawn from an atomic counter. A program is split in partitions:
 
-- a producer warp issues the copy-engine (TMA) loads: the query tile once, then the K and V
-  tiles of each 128-key block into ``STAGES`` shared-memory buffers, each guarded by a
-  "ready" barrier (the copy's bytes arrived) and an "empty" barrier (every consumer is done);
+- a producer warp issues the copy-engine (TMA) loads: a tile's query blocks (once the
+  consumers' last scores of the previous tile have read theirs; the tile's number goes to
+  the consumers with the query barrier), then the K and V tiles of each 128-key block into
+  ``STAGES`` shared-memory buffers, each guarded by a "ready" barrier (the copy's bytes
+  arrived) and an "empty" barrier (every consumer is done); the buffer ring's position and
+  the barriers' phases run on over the program's tiles;
 - two consumer warpgroups (three at D=64 for long key loops, :data:`D64_CONSUMERS`), each
   its own partition with 64 query rows. Their barriers and arrivals involve only their own
   four warps, so one warpgroup's softmax runs while the other's products occupy the tensor
@@ -54,6 +59,8 @@ strides), and at least :data:`MIN_KEYS` keys (by head dim). Other problems go to
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton._C.libtriton import ir
@@ -63,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import _host
+from . import _counters, _host
 from ._gluon import FixedTile
 from ._gluon import tma_load as _tma_load
 
@@ -94,6 +101,21 @@ PRODUCER_REGS = 24
 #: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
 #: 1% either way at D=128 (``bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1``).
 PINGPONG = True
+#: A persistent grid: one program per SM, each taking its first tile, then the next one
+#: left in the launch's order when it frees up (``_next_tile``: an atomic counter, as
+#: FlashAttention-3 schedules its tiles), so the producer loads a tile's first blocks while
+#: the consumers finish the last one. Only where there are more tiles than SMs, with two
+#: consumers, and while a program's mean key loop (Nk, Nk / 2 causal) is shorter than
+#: ``PERSISTENT_MAX_KEYS``, which amortizes the set-up it hides. Timed in alternation with
+#: one program per tile on the H200 (fp16, ``bench/flash_attn_gluon_ab.py --knob
+#: PERSISTENT=0,1``, two runs, 2026-11-30): with two consumers at N=2048 and 4096, causal
+#: 3-6% faster (D=128 N=4096: 0.97 -> 1.00x cuDNN), full attention 2-3% faster at D=128;
+#: at N=16384, D=128, causal 2% slower in both runs, full attention 1% faster. With three
+#: consumers the walk makes the causal build spill (8 B a thread at their 160 registers)
+#: and it ran 7% slower at N=16384. (A fixed stride instead of the counter, eleventh 11-30
+#: session: causal 1-15% slower, as programs got unequal work.)
+PERSISTENT = 1
+PERSISTENT_MAX_KEYS = 8192
 #: The fewest keys a call must have for the variant to take it, by head dim. Each program
 #: streams all Nk keys after a fixed set-up (barriers, the query tile, the first block's
 #: scores alone) and before a fixed epilogue, which a short key loop does not amortize.
@@ -138,10 +160,61 @@ def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-              v_ready, v_empty, b, h, kvh, tile_m, n_blocks, CONSUMERS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr):
+def _tile(t, n_m, H, GROUP, N_K, CAUSAL: gl.constexpr, TILE_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
+    """Tile ``t`` of the launch order: ``(b, h, kvh, first query row, key blocks, key blocks
+    every row sees in full)``. Each (batch, head)'s query tiles in turn, the last first:
+    causal tiles near the end of the sequence see the most keys. (A longest-first order
+    over groups of 8 or 16 heads instead, timed in alternation on the H200, 2026-11-30:
+    causal -5% to +2%, full attention at D=128 3-11% slower, probably as more heads' K/V
+    at a time miss L2.)"""
+    bh = t // n_m
+    tile_m = (n_m - 1 - (t - bh * n_m)) * TILE_M
+    b = bh // H
+    h = bh - b * H
+    if CAUSAL:
+        n_blocks = gl.minimum(gl.cdiv(tile_m + TILE_M, BLOCK_N), gl.cdiv(N_K, BLOCK_N))
+        n_full = gl.minimum(tile_m // BLOCK_N, N_K // BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(N_K, BLOCK_N)
+        n_full = N_K // BLOCK_N
+    return b, h, h // GROUP, tile_m, n_blocks, n_full
+
+
+@gluon.jit
+def _next_tile(queue, n_tiles):
+    """The launch's next tile, drawn from ``queue`` (an int32 that starts at zero): tiles
+    ``grid``, ``grid + 1``, ... in the order programs ask, then ``n_tiles`` or more (none
+    left). Every program draws until it gets none, so the launch makes ``n_tiles`` draws
+    in all, and the last one resets the counter for the next launch on the stream."""
+    drawn = gl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
+    if drawn == n_tiles - 1:
+        gl.atomic_xchg(queue, 0, sem="relaxed", scope="gpu")
+    return gl.num_programs(0) + drawn
+
+
+@gluon.jit
+def _publish_tile(tile_slot, t):
+    """Leaves tile number ``t`` in shared memory for the consumers (the producer's warp);
+    the query barrier's next phase publishes it."""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile_slot.store(gl.full([1], t, gl.int32, one_warp))
+
+
+@gluon.jit
+def _read_tile(tile_slot):
+    """The tile number the producer left (a consumer warpgroup, after the query barrier)."""
+    one_warpgroup: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(tile_slot.load(one_warpgroup), 0)
+
+
+@gluon.jit
+def _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                  v_ready, v_empty, b, h, kvh, tile_m, n_blocks, it,
+                  CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Loads one tile's query blocks, then its K and V blocks into the buffer ring from
+    position ``it`` (blocks loaded by the program so far); returns the next position."""
     # The descriptors are 4-D, (B, H, N, D) with [1, 1, rows, D] boxes: the copy engine
     # reads zeros past each head's N, so a tile never reads into the next head. The
     # buffers are 2-D for the MMAs; the copies write them through 4-D views. One query box
@@ -151,10 +224,11 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_
         _tma_load(q_desc, [b, h, tile_m + w * BLOCK_M, 0], q_bar,
                   q_bufs.index(w).reshape([1, 1, BLOCK_M, HEAD_D]))
     for i in range(n_blocks):
-        s = i % STAGES
+        g = it + i
+        s = g % STAGES
         # Barriers start in phase 1 done, so the first pass through the buffers waits on
         # nothing.
-        ph = ((i // STAGES) & 1) ^ 1
+        ph = ((g // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         _tma_load(k_desc, [b, kvh, i * BLOCK_N, 0], k_ready.index(s),
@@ -163,6 +237,44 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         _tma_load(v_desc, [b, kvh, i * BLOCK_N, 0], v_ready.index(s),
                   v_bufs.index(s).reshape([1, 1, BLOCK_N, HEAD_D]))
+    return it + n_blocks
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot,
+              k_ready, k_empty, v_ready, v_empty, queue, n_m, n_tiles, H, GROUP, N_K,
+              WALK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr):
+    TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
+    t = gl.program_id(0)
+    if WALK:
+        it = 0  # K/V blocks loaded: the position in the buffer ring, over the tiles
+        n = 0  # tiles so far: the query barriers' phases
+        while t < n_tiles:
+            b, h, kvh, tile_m, n_blocks, n_full = _tile(t, n_m, H, GROUP, N_K, CAUSAL,
+                                                        TILE_M, BLOCK_N)
+            # The consumers' last scores of the previous tile have read its query blocks
+            # (and its number). Fresh barriers' phase 1 counts as done.
+            mbarrier.wait(q_empty, (n & 1) ^ 1)
+            _publish_tile(tile_slot, t)
+            it = _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready,
+                               k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, it,
+                               CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+            n += 1
+            # Drawn once this tile's blocks are queued, a few blocks before its end: the
+            # program that frees up first gets the next tile.
+            t = _next_tile(queue, n_tiles)
+        # No tile left: a number past the last, published by a plain arrival.
+        mbarrier.wait(q_empty, (n & 1) ^ 1)
+        _publish_tile(tile_slot, t)
+        mbarrier.arrive(q_bar, count=1)
+    else:
+        b, h, kvh, tile_m, n_blocks, n_full = _tile(t, n_m, H, GROUP, N_K, CAUSAL, TILE_M,
+                                                    BLOCK_N)
+        _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                      v_ready, v_empty, b, h, kvh, tile_m, n_blocks, 0, CONSUMERS, BLOCK_M,
+                      BLOCK_N, HEAD_D, STAGES)
 
 
 @gluon.jit
@@ -220,47 +332,50 @@ def _issue_pv(p_op, v_bufs, v_ready, o, j, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, i, o, p_op, alpha,
-          m_i, l_i, qk_scale, start_m, N_K, WG: gl.constexpr, CONSUMERS: gl.constexpr,
-          MASK: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-          PINGPONG: gl.constexpr,
+def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, g, start_n, tt, o,
+          p_op, alpha, m_i, l_i, qk_scale, start_m, N_K, WG: gl.constexpr,
+          CONSUMERS: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+          RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The key block at ring position ``g`` (keys from ``start_n``), the warpgroup's turn
+    ``tt`` (steps counted over the program's tiles), with ``P·V`` of the block before it."""
     if PINGPONG:
         # The warpgroups take turns to issue their two products, so that one's softmax
         # runs while the other's products do (warpgroup 0 goes first: the fresh barrier's
         # phase 1 counts as done).
-        mbarrier.wait(turn.index(WG), (i & 1) ^ (WG > 0))
-    qk = _issue_scores(q_smem, k_bufs, k_ready, i, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        mbarrier.wait(turn.index(WG), (tt & 1) ^ (WG > 0))
+    qk = _issue_scores(q_smem, k_bufs, k_ready, g, s_layout, BLOCK_M, BLOCK_N, STAGES)
     o = _rescale(o, alpha, o_layout)
-    o = _issue_pv(p_op, v_bufs, v_ready, o, i - 1, STAGES)
+    o = _issue_pv(p_op, v_bufs, v_ready, o, g - 1, STAGES)
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     qk = warpgroup_mma_wait(1, deps=[qk])
-    mbarrier.arrive(k_empty.index(i % STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m, i * BLOCK_N, N_K, MASK,
+    mbarrier.arrive(k_empty.index(g % STAGES), count=1)
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m, start_n, N_K, MASK,
                                   CAUSAL, RAW_MAX, s_layout, BLOCK_M, BLOCK_N)
-    # P(i-1) is the running MMA's operand: its registers are free only after this wait.
+    # P(g-1) is the running MMA's operand: its registers are free only after this wait.
     o = warpgroup_mma_wait(0, deps=[o])
-    mbarrier.arrive(v_empty.index((i - 1) % STAGES), count=1)
+    mbarrier.arrive(v_empty.index((g - 1) % STAGES), count=1)
     p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
     return o, p_op, alpha, m_i, l_i
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-              o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full, qk_scale,
-              WG: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    """Warpgroup ``WG``'s 64 query rows: the key loop, then ``out`` and ``lse``."""
+def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                  Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m, n_blocks, n_full,
+                  it, turns, N_Q, N_K, qk_scale, WALK: gl.constexpr, WG: gl.constexpr,
+                  CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
+                  PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup ``WG``'s 64 query rows of one tile, its K/V blocks from ring position
+    ``it`` and its turns from ``turns``: the key loop, then ``out`` and ``lse``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_wg = q_bufs.index(WG)
     start_m = tile_m + WG * BLOCK_M
 
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_layout)
@@ -269,29 +384,32 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
 
     # Block 0, masked: with top-left alignment it holds the causal diagonal of the first
     # tile, and it is the key tail when Nk < BLOCK_N (elsewhere the mask keeps every key).
-    mbarrier.wait(q_bar, 0)
-    qk = _issue_scores(q_wg, k_bufs, k_ready, 0, s_layout, BLOCK_M, BLOCK_N, STAGES)
+    qk = _issue_scores(q_wg, k_bufs, k_ready, it, s_layout, BLOCK_M, BLOCK_N, STAGES)
     qk = warpgroup_mma_wait(0, deps=[qk])
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(it % STAGES), count=1)
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m, 0, N_K, True, CAUSAL,
                                   RAW_MAX, s_layout, BLOCK_M, BLOCK_N)
     p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
     # Blocks every row of the tile sees in full, then the causal diagonal and the key tail.
     for i in range(1, n_full):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                         v_empty, turn, i, o, p_op, alpha, m_i, l_i, qk_scale,
-                                         start_m, N_K, WG, CONSUMERS, False, CAUSAL,
-                                         RAW_MAX, PINGPONG,
+                                         v_empty, turn, it + i, i * BLOCK_N, turns + i, o,
+                                         p_op, alpha, m_i, l_i, qk_scale, start_m, N_K, WG,
+                                         CONSUMERS, False, CAUSAL, RAW_MAX, PINGPONG,
                                          s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
                                          STAGES)
     for i in range(gl.maximum(n_full, 1), n_blocks):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                         v_empty, turn, i, o, p_op, alpha, m_i, l_i, qk_scale,
-                                         start_m, N_K, WG, CONSUMERS, True, CAUSAL,
-                                         RAW_MAX, PINGPONG,
+                                         v_empty, turn, it + i, i * BLOCK_N, turns + i, o,
+                                         p_op, alpha, m_i, l_i, qk_scale, start_m, N_K, WG,
+                                         CONSUMERS, True, CAUSAL, RAW_MAX, PINGPONG,
                                          s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
                                          STAGES)
-    last = n_blocks - 1
+    if WALK:
+        # Every scores product of the tile has completed: the producer may load the next
+        # tile's query blocks while this one's last P·V and epilogue run.
+        mbarrier.arrive(q_empty, count=1)
+    last = it + n_blocks - 1
     o = _rescale(o, alpha, o_layout)
     o = _issue_pv(p_op, v_bufs, v_ready, o, last, STAGES)
     o = warpgroup_mma_wait(0, deps=[o])
@@ -301,38 +419,67 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    o_base = Out + b * stride_ob + h * stride_oh
     ptrs = o_base + gl.expand_dims(offs_m, 1) * stride_on + gl.expand_dims(offs_d, 0)
-    gl.store(ptrs, o.to(o_base.dtype.element_ty), mask=gl.expand_dims(offs_m < N_Q, 1))
+    gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N_Q, 1))
     offs_r = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 units to natural
-    gl.store(lse_base + offs_r, lse, mask=offs_r < N_Q)
+    gl.store(Lse + (b * H + h) * N_Q + offs_r, lse, mask=offs_r < N_Q)
+
+
+@gluon.jit
+def _consumer(q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready,
+              v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on, n_m, n_tiles, H, GROUP,
+              N_Q, N_K, qk_scale, WALK: gl.constexpr, WG: gl.constexpr,
+              CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
+              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup ``WG``'s 64 query rows of each tile the program takes."""
+    TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
+    q_wg = q_bufs.index(WG)
+    if WALK:
+        # Counted over the program's tiles, as the producer counts them: K/V blocks (the
+        # ring position), tiles (the query barrier's phase) and steps (the turns' phases).
+        it = 0
+        n = 0
+        turns = 0
+        mbarrier.wait(q_bar, 0)
+        t = _read_tile(tile_slot)
+        while t < n_tiles:
+            b, h, kvh, tile_m, n_blocks, n_full = _tile(t, n_m, H, GROUP, N_K, CAUSAL, TILE_M,
+                                                        BLOCK_N)
+            _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty,
+                          turn, Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m,
+                          n_blocks, n_full, it, turns, N_Q, N_K, qk_scale, WALK, WG, CONSUMERS,
+                          CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+            it += n_blocks
+            turns += n_blocks - 1
+            n += 1
+            mbarrier.wait(q_bar, n & 1)
+            t = _read_tile(tile_slot)
+    else:
+        b, h, kvh, tile_m, n_blocks, n_full = _tile(gl.program_id(0), n_m, H, GROUP, N_K,
+                                                    CAUSAL, TILE_M, BLOCK_N)
+        mbarrier.wait(q_bar, 0)
+        _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                      Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m, n_blocks,
+                      n_full, 0, 0, N_Q, N_K, qk_scale, WALK, WG, CONSUMERS, CAUSAL, RAW_MAX,
+                      PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
 
 
 @gluon.jit
 def _flash_attn_fwd_gluon_kernel(
-        q_desc, k_desc, v_desc, Out, Lse, stride_ob, stride_oh, stride_on,
-        H, GROUP, N_Q, N_K, qk_scale,
-        CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
-        CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr):
-    # Causal tiles near the end of the sequence see the most keys: launch them first. (In
-    # the order of a longest-first schedule over groups of 8 or 16 heads instead, timed in
-    # alternation on the H200, 2026-11-30: causal -5% to +2%, full attention at D=128
-    # 3-11% slower, probably as more heads' K/V at a time miss L2.)
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // GROUP
+        q_desc, k_desc, v_desc, Out, Lse, queue, stride_ob, stride_oh, stride_on,
+        BH, H, GROUP, N_Q, N_K, qk_scale,
+        WALK: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
+        PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    # Tiles in the launch order of ``_tile``: one per program, or with WALK (a persistent
+    # grid) program p takes tile p, then tiles drawn from ``queue`` as it frees up.
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
-    tile_m = pid_m * TILE_M
-    if CAUSAL:
-        n_blocks = gl.minimum(gl.cdiv(tile_m + TILE_M, BLOCK_N), gl.cdiv(N_K, BLOCK_N))
-        n_full = gl.minimum(tile_m // BLOCK_N, N_K // BLOCK_N)
-    else:
-        n_blocks = gl.cdiv(N_K, BLOCK_N)
-        n_full = N_K // BLOCK_N
+    n_m = gl.cdiv(N_Q, TILE_M)
+    n_tiles = n_m * BH
 
     dtype: gl.constexpr = q_desc.dtype
     # The swizzle the descriptors' layout has, for 2-D buffers (rows of 128 or 256 bytes).
@@ -341,59 +488,62 @@ def _flash_attn_fwd_gluon_kernel(
     q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_D], layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout)
+    tile_slot = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    # One arrival per consumer partition: Triton 3.6 synchronizes the partition's warps
+    # and arrives from its first thread.
+    mbarrier.init(q_empty, count=CONSUMERS)
     for w in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        # One arrival per consumer partition: Triton 3.6 synchronizes the partition's
-        # warps and arrives from its first thread.
         mbarrier.init(k_empty.index(s), count=CONSUMERS)
         mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
-    o_base = Out + b * stride_ob + h * stride_oh
-    lse_base = Lse + bh * N_Q
     # Written out per consumer count: Triton 3.6's Gluon takes the partitions as literal
     # (function, arguments) tuples, and constexprs in a tuple built by concatenation lose
     # their constness.
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
-                         qk_scale, 0, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
-                         qk_scale, 1, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
-                         qk_scale, 2, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready,
-                         k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, CONSUMERS,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
+                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 0, CONSUMERS,
+                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
+                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 1, CONSUMERS,
+                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
+                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 2, CONSUMERS,
+                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty,
+                         tile_slot, k_ready, k_empty, v_ready, v_empty, queue, n_m, n_tiles,
+                         H, GROUP, N_K, WALK, CAUSAL, CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D,
+                         STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
-                         qk_scale, 0, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_base, stride_on, lse_base, tile_m, N_Q, N_K, n_blocks, n_full,
-                         qk_scale, 1, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready,
-                         k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, CONSUMERS,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
+                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 0, CONSUMERS,
+                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
+                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 1, CONSUMERS,
+                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty,
+                         tile_slot, k_ready, k_empty, v_ready, v_empty, queue, n_m, n_tiles,
+                         H, GROUP, N_K, WALK, CAUSAL, CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D,
+                         STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -627,6 +777,21 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
                             [1, 1, rows, cols or t.shape[3]], layout)
 
 
+def _num_sms(plan, device: torch.device) -> int:
+    """SMs of the device a call runs on: its plan's, else a CUDA ``device``'s; the H200's
+    132 for the CPU tensors of compile checks and host-logic tests, which launch nothing."""
+    if plan is not None:
+        return plan.device.num_sms
+    if device.type != "cuda":
+        return 132
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             scale: float, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq)) for q (B, H, Nq, D), k and v
@@ -639,11 +804,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
     mean_keys = n_k // 2 if causal else n_k
     consumers = D64_CONSUMERS if d == 64 and mean_keys >= D64_CONSUMERS_MIN_KEYS else 2
-    tile_m = consumers * BLOCK_M
-    _host.launcher(plan, _flash_attn_fwd_gluon_kernel)[(_host.cdiv(n_q, tile_m), b * h)](
+    tiles = _host.cdiv(n_q, consumers * BLOCK_M) * b * h
+    num_sms = _num_sms(plan, q.device)
+    walk = (bool(PERSISTENT) and tiles > num_sms and consumers == 2
+            and mean_keys < PERSISTENT_MAX_KEYS)
+    # The queue's counter starts at zero and the launch leaves it there (``_next_tile``).
+    queue = _counters.kept_zeros(q.device, 1) if walk else lse
+    _host.launcher(plan, _flash_attn_fwd_gluon_kernel)[(num_sms if walk else tiles,)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
-        *out.stride()[:3], h, h // h_kv, n_q, n_k, scale * _LOG2E,
-        CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, CONSUMERS=consumers,
+        queue, *out.stride()[:3], b * h, h, h // h_kv, n_q, n_k, scale * _LOG2E,
+        WALK=walk, CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, CONSUMERS=consumers,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
