@@ -241,11 +241,13 @@ def _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot,
-              k_ready, k_empty, v_ready, v_empty, queue, n_m, n_tiles, H, GROUP, N_K,
-              WALK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, queue, smem, sizes, WALK: gl.constexpr,
+              CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """The copies of each tile the program takes. ``smem`` and ``sizes``: the kernel's
+    tuples of buffers and barriers, and of sizes."""
+    q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty, turn = smem
+    n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale = sizes
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
     t = gl.program_id(0)
     if WALK:
@@ -428,13 +430,16 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready,
-              v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on, n_m, n_tiles, H, GROUP,
-              N_Q, N_K, qk_scale, WALK: gl.constexpr, WG: gl.constexpr,
+def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
               CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    """Warpgroup ``WG``'s 64 query rows of each tile the program takes."""
+    """Warpgroup ``WG``'s 64 query rows of each tile the program takes. ``smem``,
+    ``outputs`` and ``sizes``: the kernel's tuples of buffers and barriers, output
+    pointers and strides, and sizes."""
+    q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty, turn = smem
+    Out, Lse, stride_ob, stride_oh, stride_on = outputs
+    n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale = sizes
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
     q_wg = q_bufs.index(WG)
     if WALK:
@@ -508,42 +513,32 @@ def _flash_attn_fwd_gluon_kernel(
         mbarrier.init(k_empty.index(s), count=CONSUMERS)
         mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
-    # Written out per consumer count: Triton 3.6's Gluon takes the partitions as literal
-    # (function, arguments) tuples, and constexprs in a tuple built by concatenation lose
-    # their constness.
+    # The partitions' runtime arguments go in tuples. Triton 3.6's Gluon takes each
+    # partition as a literal (function, arguments) tuple, and constexprs in a tuple built by
+    # concatenation lose their constness, so the lists are written out per consumer count.
+    smem = (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready,
+            v_empty, turn)
+    outputs = (Out, Lse, stride_ob, stride_oh, stride_on)
+    sizes = (n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
-                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 0, CONSUMERS,
-                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
-                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 1, CONSUMERS,
-                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
-                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 2, CONSUMERS,
-                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty,
-                         tile_slot, k_ready, k_empty, v_ready, v_empty, queue, n_m, n_tiles,
-                         H, GROUP, N_K, WALK, CAUSAL, CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D,
-                         STAGES)),
+            (_consumer, (smem, outputs, sizes, 0, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (smem, outputs, sizes, 1, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (smem, outputs, sizes, 2, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, CONSUMERS,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
-                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 0, CONSUMERS,
-                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, Lse, stride_ob, stride_oh, stride_on,
-                         n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale, WALK, 1, CONSUMERS,
-                         CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty,
-                         tile_slot, k_ready, k_empty, v_ready, v_empty, queue, n_m, n_tiles,
-                         H, GROUP, N_K, WALK, CAUSAL, CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D,
-                         STAGES)),
+            (_consumer, (smem, outputs, sizes, 0, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (smem, outputs, sizes, 1, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, CONSUMERS,
+                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
