@@ -246,7 +246,8 @@ def _producer(q_desc, k_desc, v_desc, queue, smem, sizes, WALK: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """The copies of each tile the program takes. ``smem`` and ``sizes``: the kernel's
     tuples of buffers and barriers, and of sizes."""
-    q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty, turn = smem
+    (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty,
+     turn) = smem
     n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale = sizes
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
     t = gl.program_id(0)
@@ -437,7 +438,8 @@ def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
     """Warpgroup ``WG``'s 64 query rows of each tile the program takes. ``smem``,
     ``outputs`` and ``sizes``: the kernel's tuples of buffers and barriers, output
     pointers and strides, and sizes."""
-    q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty, turn = smem
+    (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty,
+     turn) = smem
     Out, Lse, stride_ob, stride_oh, stride_on = outputs
     n_m, n_tiles, H, GROUP, N_Q, N_K, qk_scale = sizes
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
