@@ -114,6 +114,35 @@ def test_persistent_grid_takes_every_tile_once(dims, causal, programs, device, g
     assert not queue.any(), "a launch left the tile queue's counter set"
 
 
+def test_persistent_forward_in_cuda_graphs(device, gen):
+    """Captured in CUDA graphs, the persistent forward draws its tiles from a counter of
+    the capture's own, zeroed inside the graph, and left at zero by every replay: two
+    captures of one call, replayed in the other order and twice each, give the eager
+    result bit for bit."""
+    _skip_unless_gluon_runs(device)
+    if torch.version.cuda is None:
+        pytest.skip("CUDA graphs")
+    q, k, v = (torch.randn(2, 40, 300, 64, generator=gen).half().to(device) for _ in range(3))
+    assert 3 * 2 * 40 > torch.cuda.get_device_properties(device).multi_processor_count
+    with pk.use_variant(**{NAME: GLUON}):
+        plan = pk.get_kernel(NAME).plan(q, k, v, causal=True)
+    eager = fa._forward(plan, q, k, v, True, 0.125)[0]  # compiles outside the captures
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    capture = torch.cuda.Stream(device)
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture):
+            outs.append(fa._forward(plan, q, k, v, True, 0.125)[0])
+        graphs.append(graph)
+    for i in (1, 0):
+        for replay in range(2):
+            outs[i].fill_(float("nan"))
+            graphs[i].replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[i], eager), f"graph {i}, replay {replay}: not the eager result"
+
+
 @pytest.mark.parametrize("sm_scale", [0.3, -0.2, 0.0], ids=["positive", "negative", "zero"])
 def test_scales_and_lse(sm_scale, device, gen, nan_empty):
     """A non-positive scale takes the scale-first softmax (the raw-score max is only right
