@@ -806,6 +806,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     walk = (bool(PERSISTENT) and tiles > num_sms and consumers == 2
             and mean_keys < PERSISTENT_MAX_KEYS)
     # The queue's counter starts at zero and the launch leaves it there (``_next_tile``).
+    # Without the walk the kernel never reads the queue: any tensor stands in for it.
     queue = _counters.kept_zeros(q.device, 1) if walk else lse
     _host.launcher(plan, _flash_attn_fwd_gluon_kernel)[(num_sms if walk else tiles,)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
