@@ -69,6 +69,17 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
+def assert_checked_descriptor(desc) -> None:
+    """A host descriptor the Gluon launchers built without the constructor's checks
+    (``kernels._gluon.descriptor``) passes them: Gluon's ``TensorDescriptor`` accepts the
+    same fields."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    checked = TensorDescriptor(desc.base, list(desc.shape), list(desc.strides),
+                               list(desc.block_shape), desc.layout, desc.padding)
+    assert type(desc) is TensorDescriptor and checked.padding == "zero"
+
+
 def pytest_report_header(config):
     return f"portable-kernels test device: {DEVICE} ({'interpreter' if ON_CPU else 'compiled'})"
 

@@ -15,7 +15,7 @@ import torch
 
 import portable_kernels as pk
 from portable_kernels import plugins, tune
-from conftest import DEVICE
+from conftest import DEVICE, assert_checked_descriptor
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import _counters
 from portable_kernels.kernels import flash_attn as fa
@@ -329,6 +329,8 @@ def test_forward_walks_tiles_only_past_one_per_sm(persistent, monkeypatch):
     assert kw_three["CONSUMERS"] == 3 and kw_three["WALK"] is False
     assert kw_long["CONSUMERS"] == 2 and kw_long["WALK"] is False
     assert grid_few == (32,) and kw_few["WALK"] is False
+    for desc in args_many[:3]:
+        assert_checked_descriptor(desc)
     if persistent:
         assert grid_many == (h200.num_sms,) and kw_many["WALK"] is True
         queue = args_many[5]
@@ -353,6 +355,8 @@ def test_backward_launch_fuses_dq_only_with_its_buffer(monkeypatch):
     dq_desc = fused[4]
     assert list(dq_desc.shape) == [2 * 4 * 300, 128] and list(dq_desc.block_shape) == [64, 32]
     assert dq_desc.base.data_ptr() == acc.data_ptr()
+    for desc in (*plain[:4], *fused[:5]):
+        assert_checked_descriptor(desc)
 
 
 @pytest.mark.parametrize("d, least", [(64, 4096), (128, 2048)])

@@ -16,7 +16,7 @@ import torch
 import triton
 
 import portable_kernels as pk
-from conftest import DEVICE
+from conftest import DEVICE, assert_checked_descriptor
 from portable_kernels import plugins, tune
 from portable_kernels.errors import VariantUnavailableError
 from portable_kernels.kernels import _gluon
@@ -241,6 +241,8 @@ def test_launch_describes_each_layout(a_col, b_col, monkeypatch):
     assert list(b_desc.shape) == ([n, k] if b_col else [k, n])
     assert list(b_desc.block_shape) == ([bn, bk] if b_col else [bk, bn])
     assert c_desc.base is out and list(c_desc.block_shape) == [bm // 2, bn]
+    for desc in (a_desc, b_desc, c_desc):
+        assert_checked_descriptor(desc)
 
 
 def test_launch_routes_by_the_host_switch(monkeypatch):

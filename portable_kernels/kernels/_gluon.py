@@ -8,10 +8,12 @@ it does not run under Triton's interpreter.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import torch
 import triton
 from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Triton 3.7+ renamed the copy-engine load and store (3.9 removed the old load's name).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -43,3 +45,24 @@ def runs_here(device_type: str) -> str | None:
         return (f"checked on Triton 3.6 only: Gluon is experimental, and triton "
                 f"{triton.__version__} has not run this kernel on a GPU (TRITON_OK)")
     return None
+
+
+def descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int],
+               layout: Any) -> TensorDescriptor:
+    """Gluon's host ``TensorDescriptor`` of ``t`` (``shape``, ``strides`` in elements,
+    ``block`` boxes, an ``NVMMASharedLayout``), built without its constructor's checks.
+
+    The checks (16-byte aligned base and strides, unit last stride, positive sizes, block
+    shape) cost about 1-2 µs of Python per descriptor, several per eager call, and the
+    callers' predicates have already made them for every tensor that reaches a Gluon
+    kernel (``_host.tma_layout``, ``flash_attn._descriptor_issue``), so the fields are
+    set directly; ``tests/test_gluon_host.py`` checks that the checked constructor takes
+    every descriptor the kernels build. Zero padding, as the constructor's default."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base = t
+    desc.shape = shape
+    desc.strides = strides
+    desc.block_shape = block
+    desc.layout = layout
+    desc.padding = "zero"
+    return desc

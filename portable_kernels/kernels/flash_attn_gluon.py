@@ -71,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import _counters, _host
-from ._gluon import FixedTile
+from ._gluon import FixedTile, descriptor
 from ._gluon import tma_load as _tma_load
 
 #: Query rows per consumer warpgroup (sm_90's MMA works on 64-row blocks).
@@ -769,9 +769,10 @@ _DQ_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_b
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
                 layout=_DESCRIPTOR_LAYOUT) -> TensorDescriptor:
-    """A host descriptor of ``t`` (B, H, N, D) with [1, 1, rows, cols or D] boxes."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()),
-                            [1, 1, rows, cols or t.shape[3]], layout)
+    """A host descriptor of ``t`` (B, H, N, D) with [1, 1, rows, cols or D] boxes (the
+    family's ``tma_accepts`` has checked ``t``)."""
+    return descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols or t.shape[3]],
+                      layout)
 
 
 def _num_sms(plan, device: torch.device) -> int:
@@ -831,8 +832,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     tile_n = 2 * BWD_BLOCK_N
     q_desc = _descriptor(q, BWD_BLOCK_M)
     fused = dq_acc is not None
-    dq_desc = (TensorDescriptor(dq_acc.view(-1, d), [b * h * n_q, d], [d, 1], [BWD_BLOCK_M, 32],
-                                _DQ_LAYOUT.value) if fused else q_desc)
+    dq_desc = (descriptor(dq_acc.view(-1, d), [b * h * n_q, d], [d, 1], [BWD_BLOCK_M, 32],
+                          _DQ_LAYOUT.value) if fused else q_desc)
     _host.launcher(plan, _flash_attn_bwd_gluon_kernel)[(_host.cdiv(n_k, tile_n), b * h_kv)](
         q_desc, _descriptor(k, tile_n), _descriptor(v, tile_n), _descriptor(do, BWD_BLOCK_M),
         dq_desc, lse, delta, dk, dv,

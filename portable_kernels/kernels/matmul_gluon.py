@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import _host
-from ._gluon import FixedTile, tma_load, tma_store
+from ._gluon import FixedTile, descriptor, tma_load, tma_store
 from ._tiles import grouped_tile
 
 #: Output rows per tile: one 64-row block per consumer warpgroup (sm_90's MMA works on
@@ -220,9 +220,9 @@ def _layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A host descriptor of the 2-D ``t`` (unit stride in its last dimension) with
-    ``block`` boxes in the MMA's 128-byte swizzled layout."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            _layout(tuple(block), t.dtype))
+    ``block`` boxes in the MMA's 128-byte swizzled layout (``_host.tma_layout`` has checked
+    ``t``)."""
+    return descriptor(t, list(t.shape), list(t.stride()), block, _layout(tuple(block), t.dtype))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, num_sms: int,
