@@ -30,9 +30,11 @@ GLUON = "nvidia.hopper_gluon"
 
 @pytest.fixture(autouse=True)
 def small_problems(monkeypatch):
-    """The tests' sequences are far below MIN_KEYS (the automatic choice's threshold);
-    forced runs of them still check the kernel."""
+    """The tests' sequences are far below MIN_KEYS and BWD_MIN_KEYS (the thresholds of the
+    automatic choice and of the Gluon backward); forced runs of them still check the
+    kernels."""
     monkeypatch.setattr(fg, "MIN_KEYS", {})
+    monkeypatch.setattr(fg, "BWD_MIN_KEYS", {})
 
 
 def _skip_unless_gluon_runs(device, dims=(1, 2, 2, 128, 128, 64)) -> None:
@@ -359,11 +361,11 @@ def test_backward_launch_fuses_dq_only_with_its_buffer(monkeypatch):
         assert_checked_descriptor(desc)
 
 
-@pytest.mark.parametrize("d, least", [(64, 4096), (128, 2048)])
+@pytest.mark.parametrize("d, least", [(64, 2048), (128, 1024)])
 def test_short_key_sequences_stay_on_nvidia_hopper(d, least, monkeypatch):
     """Below its head dim's MIN_KEYS (shorter key loops measured slower than nvidia.hopper)
     the variant declines, naming the threshold; from it on it takes the call."""
-    monkeypatch.setattr(fg, "MIN_KEYS", {64: 4096, 128: 2048})
+    monkeypatch.setattr(fg, "MIN_KEYS", {64: 2048, 128: 1024})
     q = torch.empty(1, 2, 128, d, device="meta")
 
     def keys(n):
@@ -436,6 +438,27 @@ def test_gluon_backward_wiring(fused_dq, monkeypatch):
         assert (dq == 3.0).all()
     else:  # the family's dq kernel, as the generic plan runs it
         assert torch.equal(dq, fa._backward(generic, do, q, k, v, out, lse, True, 0.125)[0])
+
+
+def test_backward_below_its_threshold_runs_the_family_kernels(monkeypatch):
+    """A call the variant took with fewer than BWD_MIN_KEYS keys (its head dim's) gets the
+    family's Triton backward, nvidia.hopper's: the Gluon kernel is not called and the
+    gradients are the family kernels' (host logic and the family's kernels; the Gluon
+    kernel's numbers are checked on the GPU above)."""
+    monkeypatch.setattr(fg, "backward", lambda *args, **kwargs: pytest.fail("Gluon backward ran"))
+    q, k, v = (torch.randn(1, 2, 40, 64, device=DEVICE) for _ in range(3))
+    monkeypatch.setattr(fg, "BWD_MIN_KEYS", {64: 41, 128: 1})
+    assert not fg.backward_takes(40, 64) and fg.backward_takes(41, 64)
+    assert fg.backward_takes(40, 128) and fg.backward_takes(40, 96)  # no threshold at D=96
+    with pk.use_variant(**{NAME: "generic"}):
+        generic = pk.get_kernel(NAME).plan(q, k, v)
+    plan = LaunchPlan(generic.variant, generic.device, generic.configs,
+                      {**generic.switches, "GLUON_DKDV": True, "GLUON_DQ": True})
+    out, lse = fa._forward(generic, q, k, v, True, 0.125)
+    do = torch.randn_like(out)
+    grads = fa._backward(plan, do, q, k, v, out, lse, True, 0.125)
+    for got, want in zip(grads, fa._backward(generic, do, q, k, v, out, lse, True, 0.125)):
+        assert torch.equal(got, want)
 
 
 def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):

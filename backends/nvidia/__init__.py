@@ -158,5 +158,6 @@ def pk_register_variants(registry):
         "separate partitions with explicit barriers; forward: scores of the next key block "
         "issued before P·V of this one; backward: dk, dv and dq in one kernel, dq added up "
         "in fp32 by the copy engine; copies through 4-D host descriptors; Triton 3.6, CUDA, "
-        "fp16/bf16, D 64 or 128, aligned strides, Nk >= 4096 (else nvidia.hopper, with the "
-        "reason in explain)"))
+        "fp16/bf16, D 64 or 128, aligned strides, Nk >= 2048 at D=64, >= 1024 at D=128 "
+        "(else nvidia.hopper, with the reason in explain); below 2048 keys its backward is "
+        "nvidia.hopper's Triton kernels"))

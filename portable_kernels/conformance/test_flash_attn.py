@@ -60,12 +60,15 @@ SUITE = KernelSuite(
         # D = 128: the head size descriptor (TMA) variants take, with tails in Nq and Nk.
         Shape("causal_d128", dims=(1, 2, 1, 100, 130, 128), causal=True, quick=True, dtypes=LOW),
         Shape("gqa_bnhd_d80", dims=(2, 2, 1, 77, 140, 80), layout="bnhd", dtypes=LOW),
+        # 1024 <= Nk < 2048 at D = 128: nvidia.hopper_gluon takes the call (MIN_KEYS), its
+        # forward in Gluon, its backward in the family's kernels (BWD_MIN_KEYS).
+        Shape("keys_1100_gqa_d128", dims=(1, 2, 1, 64, 1100, 128), dtypes=LOW),
         # Nk >= 2048: where the Hopper backward moves its tiles through descriptors
-        # (BWD_TMA_MIN_SEQ), and where nvidia.hopper_gluon takes D = 128 (MIN_KEYS); the
+        # (BWD_TMA_MIN_SEQ), and where nvidia.hopper_gluon's backward is Gluon too; the
         # shorter shapes above take nvidia.hopper's pointer loads.
         Shape("long_keys_gqa_d128", dims=(1, 2, 1, 70, 2100, 128), dtypes=LOW),
-        # Nk >= 4096: where nvidia.hopper_gluon takes D = 64 (MIN_KEYS); few queries keep
-        # it cheap on the interpreter.
+        # Nk >= 4096 at D = 64: nvidia.hopper_gluon with three consumer warpgroups
+        # (D64_CONSUMERS); few queries keep it cheap on the interpreter.
         Shape("keys_4096_gqa_d64", dims=(1, 2, 1, 64, 4096, 64), dtypes=LOW),
     ),
 )

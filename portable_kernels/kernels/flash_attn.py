@@ -123,7 +123,8 @@ _CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
 #: backward's dk/dv kernel (the preprocess stays this module's). GLUON_DQ (with
 #: GLUON_DKDV): that kernel also adds dq up, in fp32 and in no fixed order, and this
 #: module's dq kernel does not run; without it dq is bitwise reproducible (and the
-#: backward 5-8% slower on the H200 at D=64, 16-19% at D=128).
+#: backward 5-8% slower on the H200 at D=64, 16-19% at D=128). The Gluon backward takes
+#: only calls with ``flash_attn_gluon.BWD_MIN_KEYS`` keys; shorter ones run this module's.
 HOST_SWITCHES = {"GLUON_FORWARD": False, "GLUON_DKDV": False, "GLUON_DQ": False}
 
 #: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
@@ -954,7 +955,7 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
     # too short to repay that, and a descriptor variant's config may say from which length
     # on the backward takes descriptors.
     tma = plan.switches["TMA"] and max(n_q, n_k) >= setup.tma_min_seq
-    gluon = plan.switches["GLUON_DKDV"]
+    gluon = plan.switches["GLUON_DKDV"] and flash_attn_gluon.backward_takes(n_k, d)
     if (tma or gluon) and _descriptor_issue(d, do, do, do):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
         # (an expanded scalar's gradient has zero strides): one copy makes it describable.

@@ -54,7 +54,8 @@ Limits (``gluon_accepts`` in ``flash_attn.py``, the NVIDIA backend's ``accepts``
 :func:`issue`): sm_90 CUDA tensors (Gluon does not run under Triton's interpreter), Triton
 3.6, the descriptor predicate of the family (fp16/bf16, D 64 or 128, 16-byte aligned
 strides), and at least :data:`MIN_KEYS` keys (by head dim). Other problems go to
-``nvidia.hopper``.
+``nvidia.hopper``. The backward runs here from :data:`BWD_MIN_KEYS` keys
+(:func:`backward_takes`), below them in the family's Triton kernels.
 ``causal`` is top-left aligned as in the rest of the family.
 """
 from __future__ import annotations
@@ -118,14 +119,22 @@ PERSISTENT = 1
 PERSISTENT_MAX_KEYS = 8192
 #: The fewest keys a call must have for the variant to take it, by head dim. Each program
 #: streams all Nk keys after a fixed set-up (barriers, the query tile, the first block's
-#: scores alone) and before a fixed epilogue, which a short key loop does not amortize.
+#: scores alone) and before a fixed epilogue, which a short key loop does not amortize, and
+#: an eager call spends more host time than nvidia.hopper's (three host descriptors).
 #: Timed eagerly in alternation with nvidia.hopper and cuDNN on the H200 (B=4, H=32, fp16,
-#: direct launches, two runs on 2026-11-30, the second ``bench/variants_ab.py``): at D=128
-#: from Nk=2048 on it ran ahead in every row of both passes (forward 0.87-0.95x cuDNN against
-#: 0.80-0.87, backward 0.87-0.94 against 0.75-0.82); at Nk=1024 forward ahead, backward
-#: mixed. At D=64 it ran below nvidia.hopper in the forward at Nk=1024 and 2048 (0.63-0.94x
-#: cuDNN against 0.84-0.97) and ahead from 4096.
-MIN_KEYS = {64: 4096, 128: 2048}
+#: ``bench/variants_ab.py --set "flash_attn_gluon.MIN_KEYS={}" --backward``): before the
+#: persistent forward (two runs, twelfth 11-30 session) at D=128 ahead from Nk=2048 in
+#: both passes, at Nk=1024 forward ahead, backward mixed; at D=64 forward behind at 1024
+#: and 2048. With it (fourteenth session, 2026-11-30): forward at D=128, Nk=1024, 0.90x
+#: cuDNN full and 0.82 causal against 0.75 and 0.70; at D=64, Nk=2048, level (0.98 and
+#: 0.88 against 0.96 and 0.87), its backward ahead there (0.81 and 0.88 against 0.77 and
+#: 0.82); at D=64, Nk=1024, behind in both passes (forward 0.70 against 0.94 cuDNN).
+MIN_KEYS = {64: 2048, 128: 1024}
+#: The fewest keys for the Gluon backward, by head dim; below them the variant's backward is
+#: the family's Triton kernels, nvidia.hopper's. In the same runs at D=128, Nk=1024, the
+#: Gluon backward ran level with them for full attention (0.80x cuDNN both) and behind for
+#: causal (0.71 against 0.81).
+BWD_MIN_KEYS = {64: 2048, 128: 2048}
 _LOG2E = 1.4426950408889634
 
 
@@ -157,6 +166,12 @@ def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
         return (f"Nk is below {least} keys (MIN_KEYS at D={d}), where its fixed set-up per "
                 "program measured slower than nvidia.hopper")
     return ""
+
+
+def backward_takes(n_k: int, d: int) -> bool:
+    """Whether the Gluon backward takes a call with ``n_k`` keys of head dim ``d`` that the
+    variant took (:data:`BWD_MIN_KEYS`)."""
+    return n_k >= BWD_MIN_KEYS.get(d, 0)
 
 
 @gluon.jit
