@@ -407,6 +407,15 @@ def test_gluon_kernels_are_host_switches():
     assert not any(variants["nvidia.hopper"].switches[name] for name in gluon)
 
 
+def _generic_plan_with(q, k, v, **switches):
+    """(the generic variant's plan for q, k, v, the same plan with ``switches`` set): the
+    family's launcher with host switches on, runnable on every device."""
+    with pk.use_variant(**{NAME: "generic"}):
+        generic = pk.get_kernel(NAME).plan(q, k, v)
+    return generic, LaunchPlan(generic.variant, generic.device, generic.configs,
+                               {**generic.switches, **switches})
+
+
 @pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_fused"])
 def test_gluon_backward_wiring(fused_dq, monkeypatch):
     """With GLUON_DKDV the backward's dk/dv come from flash_attn_gluon.backward (the
@@ -425,10 +434,7 @@ def test_gluon_backward_wiring(fused_dq, monkeypatch):
 
     monkeypatch.setattr(fg, "backward", fake)
     q, k, v = (torch.randn(1, 2, 40, 64, device=DEVICE) for _ in range(3))
-    with pk.use_variant(**{NAME: "generic"}):
-        generic = pk.get_kernel(NAME).plan(q, k, v)
-    plan = LaunchPlan(generic.variant, generic.device, generic.configs,
-                      {**generic.switches, "GLUON_DKDV": True, "GLUON_DQ": fused_dq})
+    generic, plan = _generic_plan_with(q, k, v, GLUON_DKDV=True, GLUON_DQ=fused_dq)
     out, lse = fa._forward(plan, q, k, v, True, 0.125)
     do = torch.randn_like(out)
     dq, dk, dv = fa._backward(plan, do, q, k, v, out, lse, True, 0.125)
@@ -450,10 +456,7 @@ def test_backward_below_its_threshold_runs_the_family_kernels(monkeypatch):
     monkeypatch.setattr(fg, "BWD_MIN_KEYS", {64: 41, 128: 1})
     assert not fg.backward_takes(40, 64) and fg.backward_takes(41, 64)
     assert fg.backward_takes(40, 128) and fg.backward_takes(40, 96)  # no threshold at D=96
-    with pk.use_variant(**{NAME: "generic"}):
-        generic = pk.get_kernel(NAME).plan(q, k, v)
-    plan = LaunchPlan(generic.variant, generic.device, generic.configs,
-                      {**generic.switches, "GLUON_DKDV": True, "GLUON_DQ": True})
+    generic, plan = _generic_plan_with(q, k, v, GLUON_DKDV=True, GLUON_DQ=True)
     out, lse = fa._forward(generic, q, k, v, True, 0.125)
     do = torch.randn_like(out)
     grads = fa._backward(plan, do, q, k, v, out, lse, True, 0.125)
@@ -473,10 +476,7 @@ def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):
 
     monkeypatch.setattr(fg, "forward", fake)
     q = torch.randn(1, 2, 40, 64, device=DEVICE)
-    with pk.use_variant(**{NAME: "generic"}):
-        generic = pk.get_kernel(NAME).plan(q, q, q)
-    plan = LaunchPlan(generic.variant, generic.device, generic.configs,
-                      {**generic.switches, "GLUON_FORWARD": True})
+    _, plan = _generic_plan_with(q, q, q, GLUON_FORWARD=True)
     out, _ = fa._forward(plan, q, q, q, False, 0.125)
     assert calls == [(q.shape, False, 0.125, plan)] and (out == 4.0).all()
     assert tune._chosen_configs(plan) == fg.tile().best_config
