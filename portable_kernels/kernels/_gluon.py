@@ -56,8 +56,9 @@ def descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: lis
     shape) cost about 1-2 µs of Python per descriptor, several per eager call, and the
     callers' predicates have already made them for every tensor that reaches a Gluon
     kernel (``_host.tma_layout``, ``flash_attn._descriptor_issue``), so the fields are
-    set directly; ``tests/test_gluon_host.py`` checks that the checked constructor takes
-    every descriptor the kernels build. Zero padding, as the constructor's default."""
+    set directly. The launchers' stand-in tests (``tests/test_flash_attn_gluon.py``,
+    ``tests/test_matmul_gluon.py``) check that the checked constructor takes every
+    descriptor they build. Zero padding, as the constructor's default."""
     desc = object.__new__(TensorDescriptor)
     desc.base = t
     desc.shape = shape
