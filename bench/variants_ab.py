@@ -10,7 +10,10 @@ turn, ``--rounds`` times, and the table gives the median over rounds of each
 ``triton.testing.do_bench`` median (CUDA events, L2 flushed before each call), with the
 µs per call of back-to-back calls (300 calls, then one synchronize; median of three, as
 ``host_per_call.py`` times them): the larger of a call's host and GPU time, so where it
-exceeds the do_bench time the host sets the pace of eager calls.
+exceeds the do_bench time the host sets the pace of eager calls. ``--kernel-time`` adds
+each call's device time, its kernels' time from the torch profiler over 20 back-to-back
+calls (host excluded, L2 warm), so a slow eager column can be told apart from a slow
+kernel.
 
 - ``matmul``: shapes ``MxNxK``; the vendor is ``torch.matmul`` (cuBLAS).
 - ``flash_attn``: shapes ``BxHxNxD`` (self-attention, Nq = Nk = N), full and causal
@@ -28,6 +31,7 @@ its threshold leaves to another.
         [--variants nvidia.persistent_tma,generic] [--dtypes fp16,bf16] [--rounds 5]
     python bench/variants_ab.py flash_attn --shapes 4x32x1024x128 [--causal both]
         [--variants nvidia.hopper,nvidia.hopper_gluon] [--backward] [--set ...]
+        [--kernel-time]
 
 Prints TFLOP/s (matmul 2·M·N·K; attention 4·B·H·N²·D, half when causal, the backward 2.5
 times that) and ratios to the first vendor column; for matmul also the config each
@@ -126,8 +130,29 @@ def attention_cases(shape: str, dtype: torch.dtype, variants: list[str], args,
     return {p: fns for p, fns in passes.items() if fns}, flops
 
 
-def time_row(passes: dict, flops: float, rounds: int) -> dict:
-    """``{pass: {column: (TFLOP/s, host µs)}}``, columns timed in alternation."""
+def device_us(events, calls: int) -> float:
+    """Device µs per call from the torch profiler's ``key_averages()`` of ``calls`` calls:
+    every kernel's own device time (a CPU-side event's time on the device is its kernels',
+    already counted), summed."""
+    return sum(e.self_device_time_total for e in events) / calls
+
+
+def kernel_us(fn, calls: int = 20) -> float:
+    """Device time per call of ``fn`` in µs (its CUDA kernels; host time excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return device_us(prof.key_averages(), calls)
+
+
+def time_row(passes: dict, flops: float, rounds: int, kernel_time: bool = False) -> dict:
+    """``{pass: {column: (TFLOP/s, µs per back-to-back call, device µs or None)}}``,
+    columns timed in alternation."""
     times = {p: {name: [] for name in fns} for p, fns in passes.items()}
     for _ in range(rounds):
         for p, fns in passes.items():
@@ -136,9 +161,16 @@ def time_row(passes: dict, flops: float, rounds: int) -> dict:
     out = {}
     for p, fns in passes.items():
         scale = 2.5 if p == "bwd" else 1.0
-        out[p] = {name: (scale * flops / statistics.median(times[p][name]) * 1e-9, per_call_us(fn, 300, 3))
+        out[p] = {name: (scale * flops / statistics.median(times[p][name]) * 1e-9,
+                         per_call_us(fn, 300, 3), kernel_us(fn) if kernel_time else None)
                   for name, fn in fns.items()}
     return out
+
+
+def cell(name: str, tflops: float, base: float, call_us: float, device: float | None) -> str:
+    """One column of a printed row: ``name TF/s (ratio) [µs per call] {device µs}``."""
+    text = f"{name} {tflops:.0f} ({tflops / base:.2f}) [{call_us:.0f}]"
+    return text if device is None else text + f" {{{device:.0f}}}"
 
 
 def main() -> None:
@@ -152,6 +184,8 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="flash_attn: time the backward too")
     parser.add_argument("--set", action="append", default=[], dest="overrides",
                         help="MODULE.NAME=VALUE, a constant of portable_kernels.kernels.MODULE")
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="also each call's device time from the torch profiler")
     args = parser.parse_args()
     info = _common.nvidia_gpu("bench/variants_ab.py", "our variants against the vendor's operators",
                               f"tests/test_{args.kernel}.py")
@@ -161,7 +195,8 @@ def main() -> None:
     print(f"{args.kernel} eager, in alternation · {info.name} · torch {torch.__version__} · "
           f"triton {triton.__version__} · {args.rounds} rounds"
           + (f" · set {', '.join(args.overrides)}" if args.overrides else ""))
-    print("TFLOP/s (ratio to the first vendor column) [µs per back-to-back call]")
+    print("TFLOP/s (ratio to the first vendor column) [µs per back-to-back call]"
+          + (" {device µs per call}" if args.kernel_time else ""))
     rows = [(shape, dtype, causal) for dtype in _common.dtypes(args.dtypes)
             for shape in args.shapes.split(",")
             for causal in ({"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
@@ -171,14 +206,13 @@ def main() -> None:
             passes, flops = matmul_cases(shape, dtype, variants, args)
         else:
             passes, flops = attention_cases(shape, dtype, variants, args, causal)
-        result = time_row(passes, flops, args.rounds)
+        result = time_row(passes, flops, args.rounds, args.kernel_time)
         label = f"{shape} {str(dtype).replace('torch.', '')}"
         if causal is not None:
             label += " causal" if causal else " full"
         for p, cells in result.items():
             base = next(iter(cells.values()))[0]
-            text = " | ".join(f"{name} {tf:.0f} ({tf / base:.2f}) [{us:.0f}]"
-                              for name, (tf, us) in cells.items())
+            text = " | ".join(cell(name, tf, base, us, dev) for name, (tf, us, dev) in cells.items())
             print(f"{label} {p}: {text}", flush=True)
 
 

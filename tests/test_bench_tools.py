@@ -3,6 +3,8 @@ on a CPU), so that they do not rot between GPU sessions: the tile sweep's kernel
 against autograd, and the autotuner's timer falling back when graph capture fails."""
 from __future__ import annotations
 
+import collections
+
 import importlib.util
 import os
 import subprocess
@@ -113,6 +115,18 @@ def test_variants_ab_overrides_module_constants(monkeypatch):
     assert mg.MIN_TILES == 1 and fg.MIN_KEYS == {64: 0, 128: 1024}
     with pytest.raises(SystemExit, match="matmul_gluon has no NOPE"):
         ab.override("matmul_gluon.NOPE=1")
+
+
+def test_variants_ab_device_time_sums_each_kernel_once():
+    """``--kernel-time``: the device µs per call add up every profiler event's own device
+    time (kernels; CPU-side events own none) over the calls timed, and the column shows
+    it in braces after the µs per back-to-back call."""
+    ab = _load("variants_ab")
+    Event = collections.namedtuple("Event", "self_device_time_total device_time_total")
+    events = [Event(300.0, 300.0), Event(100.0, 100.0), Event(0.0, 400.0)]  # 2 kernels, 1 op
+    assert ab.device_us(events, calls=20) == 20.0
+    assert ab.cell("x", 400.0, 500.0, 151.4, 92.2) == "x 400 (0.80) [151] {92}"
+    assert ab.cell("x", 400.0, 500.0, 151.4, None) == "x 400 (0.80) [151]"
 
 
 def test_matmul_bench_cold_rotates_operand_copies():
