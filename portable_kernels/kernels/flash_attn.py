@@ -73,10 +73,10 @@ per ``BLOCK_N`` keys of one K/V head and loops over the query heads of its group
 query blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are summed in fp32
 registers, with no per-query-head buffers); the dq kernel runs one program per ``BLOCK_M``
 queries and loops over key blocks in two stages, as the forward does (the blocks every
-query sees in full without a mask, then the causal diagonal and the Nk tail; against
-masking every block, on the H200, level to 9% faster through pointers and from 2% slower
-to 9% faster through descriptors); the dk/dv kernel masks every block (split the same
-way, it ran 10-22% slower). ``dS = P ∘ (dP - delta)`` is the gradient of the scaled
+query sees in full without a mask, then the causal diagonal and the Nk tail; on the
+H200, against masking every block, 4-10% faster through pointers but at D=64 causal
+N=1024, where it was level to 4% slower); the dk/dv kernel masks every block (split
+the same way, it ran 10-22% slower; docs/performance.md, fifteenth 11-30 session). ``dS = P ∘ (dP - delta)`` is the gradient of the scaled
 scores, hence the final ``· sm_scale`` on dq and dk. Each kernel holds one block and
 streams the other, so each has its own tile: dk/dv holds keys and streams few queries, dq
 holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq
