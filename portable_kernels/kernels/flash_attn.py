@@ -67,22 +67,23 @@ Constexpr switches (each variant sets them all; see ``SWITCHES``):
         sm_90 config sets it, and ``nvidia.hopper``'s default is off: on the H200 with
         triton 3.6 it computed wrong outputs (see ``backends/nvidia/tuning.py``).
 
-Backward, shared by every variant (of the switches above, UPCAST and TMA apply to it too):
-a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel runs one program
-per ``BLOCK_N`` keys of one K/V head and loops over the query heads of its group and their
-query blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are summed in fp32
+Backward, shared by every variant (of the switches above, UPCAST and TMA apply to it too): a
+preprocess kernel computes ``delta = rowsum(dO ∘ O)``; the dk/dv kernel runs one program per
+``BLOCK_N`` keys of one K/V head and loops over the query heads of its group and their query
+blocks, rebuilding ``Pᵀ`` from the stored LSE (so GQA gradients are summed in fp32
 registers, with no per-query-head buffers); the dq kernel runs one program per ``BLOCK_M``
-queries and loops over key blocks in two stages, as the forward does (the blocks every
-query sees in full without a mask, then the causal diagonal and the Nk tail; on the
-H200, against masking every block, 4-10% faster through pointers but at D=64 causal
-N=1024, where it was level to 4% slower); the dk/dv kernel masks every block (split
-the same way, it ran 10-22% slower; docs/performance.md, fifteenth 11-30 session). ``dS = P ∘ (dP - delta)`` is the gradient of the scaled
-scores, hence the final ``· sm_scale`` on dq and dk. Each kernel holds one block and
-streams the other, so each has its own tile: dk/dv holds keys and streams few queries, dq
-holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row blocks: a 32 x 128 dq
-tile ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA (from the config's
-``BWD_TMA_MIN_SEQ`` positions on), every tile of both kernels moves through descriptors; an incoming gradient they cannot describe (autograd may
-hand over an expanded or strided view) is copied once first. The loops are software-pipelined, not
+queries and loops over key blocks in two stages, as the forward does (the blocks every query
+sees in full without a mask, then the causal diagonal and the Nk tail; on the H200, against
+masking every block, 4-10% faster through pointers but at D=64 causal N=1024, where it was
+level to 4% slower); the dk/dv kernel masks every block (split the same way, it ran 10-22%
+slower; docs/performance.md, fifteenth 11-30 session). ``dS = P ∘ (dP - delta)`` is the
+gradient of the scaled scores, hence the final ``· sm_scale`` on dq and dk. Each kernel
+holds one block and streams the other, so each has its own tile: dk/dv holds keys and
+streams few queries, dq holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row
+blocks: a 32 x 128 dq tile ran 3.4 times slower than 128 x 64 on the H200, D=128). With TMA
+(from the config's ``BWD_TMA_MIN_SEQ`` positions on), every tile of both kernels moves
+through descriptors; an incoming gradient they cannot describe (autograd may hand over an
+expanded or strided view) is copied once first. The loops are software-pipelined, not
 warp-specialized (the dk/dv kernel's loop nest is outside what triton 3.6 specializes for
 sm_90).
 
