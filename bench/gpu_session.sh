@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call on the GPU machine: install, run the test suite compiled, run the
 # benchmarks, and leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
-#   bash bench/gpu_session.sh [tests|bench|all] [extra pytest args...]
+#   bash bench/gpu_session.sh [tests|bench|all|memcheck] [extra pytest args...]
+# memcheck: the kernel tests under compute-sanitizer (ci/memcheck-cuda.sh; minutes), alone.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -16,6 +17,11 @@ if [[ $what == tests || $what == all ]]; then
   rc=$?
   summary+=("pytest rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$out/pytest.log")")
   grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20
+fi
+if [[ $what == memcheck ]]; then
+  start=$(date +%s)
+  OUT="$out/memcheck" ci/memcheck-cuda.sh "$@"
+  summary+=("memcheck rc=$? in $(( $(date +%s) - start ))s (logs: $out/memcheck)")
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/dispatch_overhead.py --json "$out/dispatch.json" 2>&1 | tee "$out/dispatch.txt"

@@ -40,11 +40,16 @@ fi
 PYTHONPATH="ci${PYTHONPATH:+:$PYTHONPATH}" "${memcheck[@]}" python3 -m pytest -v -p no:cacheprovider \
     -p memcheck_plugin --durations 10 "$@" >"$out/memcheck.log" 2>&1
 status=$?
+# One summary for the whole process tree (pytest-xdist workers included).
+summaries=$(grep -c "ERROR SUMMARY" "$out/memcheck.log")
 errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$out/memcheck.log" | awk '{n += $3} END {print n + 0}')
-processes=$(grep -c "ERROR SUMMARY" "$out/memcheck.log")
 grep -E "^========= (Invalid|Misaligned|Program hit|Saved host backtrace|    at )" "$out/memcheck.log" \
   | grep -v "Saved host backtrace" | sort | uniq -c | sort -rn | head -n 30
 grep -E "^(FAILED|ERROR) " "$out/memcheck.log" | head -n 20
 echo "memcheck-cuda: pytest: $(grep -E '=+ .*(passed|failed|error).* in ' "$out/memcheck.log" | tail -n 1)"
-echo "memcheck-cuda: $errors sanitizer error(s) over $processes process(es)"
+if [[ $summaries -eq 0 ]]; then
+  echo "memcheck-cuda: the sanitizer printed no summary (did it run to the end?)" >&2
+  exit 2
+fi
+echo "memcheck-cuda: $errors sanitizer error(s)"
 [[ $status -eq 0 && $errors -eq 0 ]]

@@ -81,3 +81,39 @@ def test_script_parses_and_its_default_files_exist():
 def test_control_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         _load("memcheck_control").main()
+
+
+FAKE_SANITIZER = r"""#!/usr/bin/env bash
+# Stands in for compute-sanitizer: prints what $FAKE says, runs nothing.
+if [[ "$*" == *memcheck_control.py* ]]; then
+  [[ $FAKE == control-missed ]] || echo "========= Invalid __global__ read of size 4 bytes"
+  echo "========= ERROR SUMMARY: 1 error"
+  exit 1
+fi
+[[ $FAKE == no-summary ]] && exit 0
+if [[ $FAKE == overrun ]]; then
+  echo "========= Invalid __global__ write of size 2 bytes"
+  echo "=========     at _some_kernel+0x40 in some_kernel.py:12"
+  echo "========= ERROR SUMMARY: 3 errors"
+else
+  echo "========= ERROR SUMMARY: 0 errors"
+fi
+echo "============ 5 passed in 1.00s ============"
+"""
+
+
+@pytest.mark.parametrize("fake, code", [("clean", 0), ("overrun", 1), ("control-missed", 2),
+                                        ("no-summary", 2)])
+def test_script_verdicts(fake, code, tmp_path):
+    """The script passes only when the control's overrun was reported and the run's
+    summary counts no error."""
+    sanitizer = tmp_path / "compute-sanitizer"
+    sanitizer.write_text(FAKE_SANITIZER)
+    sanitizer.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
+           "COMPUTE_SANITIZER": str(sanitizer), "FAKE": fake}
+    run = subprocess.run(["bash", str(SCRIPT), "tests/test_vector_add.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == code, run.stdout + run.stderr
+    if fake == "overrun":
+        assert "Invalid __global__ write" in run.stdout and "3 sanitizer error(s)" in run.stdout
