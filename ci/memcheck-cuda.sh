@@ -34,7 +34,7 @@ if [[ $# -eq 0 ]]; then
   set -- tests/test_flash_attn.py tests/test_flash_attn_hopper.py tests/test_flash_attn_gluon.py \
          tests/test_matmul.py tests/test_matmul_gluon.py tests/test_grouped_matmul.py \
          tests/test_layer_norm.py tests/test_softmax.py tests/test_dropout.py \
-         tests/test_vector_add.py tests/test_asin.py
+         tests/test_vector_add.py tests/test_asin.py tests/test_counters.py
 fi
 # ci/memcheck_plugin.py: the autotuner launches each config once, untimed.
 PYTHONPATH="ci${PYTHONPATH:+:$PYTHONPATH}" "${memcheck[@]}" python3 -m pytest -v -p no:cacheprovider \

@@ -1,8 +1,9 @@
 """A Triton kernel that reads and writes past the end of its tensors, on purpose.
 
 ``ci/memcheck-cuda.sh`` runs it under ``compute-sanitizer --tool memcheck`` before the test
-suite and requires the sanitizer to report both overruns: a memcheck run that reports
-nothing proves nothing unless the same settings are seen to catch a known one. (With
+suite and requires the sanitizer to report the overrun (memcheck stops the kernel at the
+first bad access, the read): a memcheck run that reports nothing proves nothing unless the
+same settings are seen to catch a known one. (With
 PyTorch's caching allocator an overrun that lands inside a cached segment is not reported,
 which is why the script turns the cache off.)
 

@@ -1,8 +1,8 @@
 """``ci/memcheck-cuda.sh`` and its pytest plugin, checked where they can be: on any machine.
 
 The script itself needs a CUDA GPU and compute-sanitizer (docs/conformance.md has its
-results); here: the plugin's changes to the autotuner and to CUDA-graph capture, and that
-the script's default test files exist.
+results); here: the plugin's changes to the autotuner and to CUDA-graph capture, that the
+script's default test files exist, and the script's verdicts, with a stand-in sanitizer.
 """
 from __future__ import annotations
 
