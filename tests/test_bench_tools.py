@@ -416,3 +416,49 @@ def test_declined_variants_read_n_a_not_error(script):
         cells = [bench._failure(e) for e in ("not timed: fewer than MIN_TILES", "WRONG: x",
                                              "RuntimeError: x")]
     assert cells == ["n/a", "WRONG", "error"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+def test_host_backward_exits_with_the_reason_without_a_gpu():
+    proc = subprocess.run([sys.executable, str(BENCH / "host_backward.py"), "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "bench/host_backward.py measures NVIDIA GPUs" in proc.stderr
+
+
+def test_host_backward_hands_each_call_to_one_helper_thread():
+    import threading
+
+    bench = _load("host_backward")
+    helper, seen = bench.Helper(), []
+    for i in range(3):
+        helper(lambda i=i: seen.append((i, threading.get_ident())))
+        assert len(seen) == i + 1  # the caller waited for the call
+    threads = {ident for _, ident in seen}
+    assert [i for i, _ in seen] == [0, 1, 2] and len(threads) == 1
+    assert threading.get_ident() not in threads
+    with pytest.raises(ZeroDivisionError):  # raised to the caller; the thread lives on
+        helper(lambda: 1 / 0)
+    helper(lambda: seen.append(("after", threading.get_ident())))
+    assert seen[-1][1] in threads
+
+
+def test_host_backward_rounds_rotate_the_order():
+    bench = _load("host_backward")
+    names = ["a", "b", "c", "d"]
+    orders = [bench.rotated(names, r) for r in range(4)]
+    assert all(sorted(o) == names for o in orders)
+    assert len({tuple(o) for o in orders}) == 4
+
+
+def test_host_backward_cases_run(device):
+    """Every case runs once (on the CPU: the interpreter, no cuDNN case), and the no-op case
+    puts the family's backward back."""
+    bench = _load("host_backward")
+    table = bench.cases((1, 2, 64, 16), torch.float16, True, "generic", device=device.type)
+    assert ("cuDNN SDPA, grad" in table) == (device.type == "cuda")
+    from portable_kernels.kernels import flash_attn as fa
+    backward = fa._backward
+    for name, fn in table.items():
+        fn()
+    assert fa._backward is backward
+    assert len(table) == 10 + (device.type == "cuda")

@@ -1,0 +1,187 @@
+"""Host time of one eager flash_attn backward call, in pieces, on an NVIDIA GPU.
+
+At short sequences an eager backward call can take longer on the host than its kernels take
+on the GPU (docs/performance.md, fifteenth and sixteenth 11-30 sessions). The problem here
+is small enough (default 1x2x256x64) that the kernels take no time, so each case's µs per
+call is host time: ``--iters`` calls, then one synchronize, median of five
+(``host_per_call.py``'s timer). The cases, in an order that rotates between ``--rounds``:
+
+- ``torch.autograd.grad`` through a trivial Python ``autograd.Function`` (its backward
+  allocates and launches nothing): what any Python node costs the autograd engine;
+- the same grad through torch SDPA's cuDNN backend, and through our ``--variant``;
+- ours with the family's ``_backward`` replaced by a no-op: our node's own overhead;
+- ``_backward`` called directly, on this thread, then on a helper thread (one hand-off per
+  call), next to a no-op's hand-off. The autograd engine runs CUDA nodes on a device thread
+  of its own; the pair tells whether our launcher's Python costs more there;
+- ``_backward``'s four allocations, and each of its three launches alone.
+
+    python bench/host_backward.py [--shape 1x2x256x64] [--dtype bf16] [--full]
+        [--variant nvidia.hopper] [--rounds 3] [--iters 1000]
+"""
+from __future__ import annotations
+
+import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
+
+import argparse
+import math
+import queue
+import statistics
+import threading
+
+import torch
+
+from portable_kernels.kernels import _host
+from portable_kernels.kernels import flash_attn as fa
+
+import _common  # bench/, beside this script
+from matmul_launch_overhead import per_call_us  # the timer of host_per_call.py
+
+
+class _Trivial(torch.autograd.Function):
+    """Saves what our node saves (five tensors); its backward returns what it was given."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v, q, q)
+        return q.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        _, k, v, _, _ = ctx.saved_tensors
+        return grad, k, v
+
+
+class Helper:
+    """A thread that runs each function handed to it while the caller waits; what the
+    function raises is raised to the caller."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._jobs.get()
+            try:
+                fn()
+            except BaseException as exc:  # the thread lives on; the caller gets it
+                self._done.put(exc)
+            else:
+                self._done.put(None)
+
+    def __call__(self, fn) -> None:
+        self._jobs.put(fn)
+        exc = self._done.get()
+        if exc is not None:
+            raise exc
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """Round ``round_``'s order: rotated by the round, and reversed in odd rounds."""
+    k = round_ % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if round_ % 2 else order
+
+
+def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dict:
+    """name -> a callable without arguments, every one on fresh random inputs. (The tests
+    build them on the CPU, without the cuDNN case.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, h, n, d = shape
+    scale = 1 / math.sqrt(d)
+    q, k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(shape, device=device).to(dtype)
+    leaves = (q, k, v)
+
+    def grad(out):
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    trivial = _Trivial.apply(q, k, v)
+    vendor = {}
+    if device == "cuda":
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            vendor["cuDNN SDPA, grad"] = grad(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal))
+    with pk.use_variant(flash_attn=variant):
+        plan = pk.get_kernel("flash_attn").plan(q, k, v, causal=causal)
+    ours = fa.launch(plan, q, k, v, causal=causal)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = fa._forward(plan, qd, kd, vd, causal, scale)
+
+    def backward():
+        return fa._backward(plan, dout, qd, kd, vd, out, lse, causal, scale)
+
+    grads = backward()
+
+    def ours_noop():
+        real = fa._backward
+        fa._backward = lambda *args: grads
+        try:
+            torch.autograd.grad(ours, leaves, dout, retain_graph=True)
+        finally:
+            fa._backward = real
+
+    helper = Helper()
+    setup = fa._backward_setup(plan, fa._block_d(d), q.element_size())
+    dkdv_m, dkdv_n, dq_m, dq_n = setup.blocks
+    tma = plan.switches["TMA"] and n >= setup.tma_min_seq
+    upcast = plan.switches["UPCAST"]
+    dq, dk, dv = (torch.empty(shape, device=device, dtype=dtype) for _ in range(3))
+    delta = torch.empty_like(lse)
+    preprocess = plan.direct(fa._flash_attn_bwd_preprocess_kernel)
+    return {
+        "trivial Python Function, grad": grad(trivial),
+        **vendor,
+        f"{variant}, grad": grad(ours),
+        f"{variant}, grad, _backward a no-op": ours_noop,
+        "_backward on this thread": backward,
+        "_backward on a helper thread": lambda: helper(backward),
+        "a no-op on a helper thread": lambda: helper(lambda: None),
+        "4 allocations": lambda: (torch.empty(shape, device=device, dtype=dtype),
+                                  torch.empty(shape, device=device, dtype=dtype),
+                                  torch.empty(shape, device=device, dtype=dtype),
+                                  torch.empty_like(lse)),
+        "preprocess launch": lambda: preprocess[(_host.cdiv(n, dq_m), b * h)](
+            out, dout, delta, *out.stride(), *dout.stride(), h, n, d, BLOCK_M=dq_m,
+            BLOCK_D=fa._block_d(d), PAD_D=d != fa._block_d(d), **setup.dq_options),
+        "dk/dv launch": lambda: fa._launch_dkdv(qd, kd, vd, dout, lse, delta, dk, dv, causal,
+                                                scale, dkdv_m, dkdv_n, upcast, tma,
+                                                setup.dkdv_options, plan),
+        "dq launch": lambda: fa._launch_dq(qd, kd, vd, dout, lse, delta, dq, causal, scale,
+                                           dq_m, dq_n, upcast, tma, setup.dq_options, plan),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="1x2x256x64", help="BxHxNxD (default: 1x2x256x64)")
+    parser.add_argument("--dtype", default="bf16", help="fp16 or bf16 (default: bf16)")
+    parser.add_argument("--full", action="store_true", help="full attention (default: causal)")
+    parser.add_argument("--variant", default="nvidia.hopper")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=1000)
+    args = parser.parse_args()
+    _common.nvidia_gpu("bench/host_backward.py", "our backward's host time against cuDNN's",
+                       "tests/test_flash_attn.py")
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    dtype = _common.dtypes(args.dtype)[0]
+    table = cases(shape, dtype, not args.full, args.variant)
+    names = list(table)
+    timings: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in rotated(names, r):
+            timings[name].append(per_call_us(table[name], args.iters))
+    print(f"# host µs per call, {args.shape} {dtype} {'full' if args.full else 'causal'}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds "
+          f"(rotating order), {args.iters} calls then one synchronize, median of 5")
+    width = max(map(len, names))
+    for name in names:
+        row = "  ".join(f"{t:7.1f}" for t in timings[name])
+        print(f"{name:{width}s}  {row}   median {statistics.median(timings[name]):7.1f}")
+
+
+if __name__ == "__main__":
+    main()
