@@ -30,7 +30,6 @@ import threading
 
 import torch
 
-from portable_kernels.kernels import _host
 from portable_kernels.kernels import flash_attn as fa
 
 import _common  # bench/, beside this script
@@ -131,7 +130,6 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
     upcast = plan.switches["UPCAST"]
     dq, dk, dv = (torch.empty(shape, device=device, dtype=dtype) for _ in range(3))
     delta = torch.empty_like(lse)
-    preprocess = plan.direct(fa._flash_attn_bwd_preprocess_kernel)
     return {
         "trivial Python Function, grad": grad(trivial),
         **vendor,
@@ -144,9 +142,8 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
                                   torch.empty(shape, device=device, dtype=dtype),
                                   torch.empty(shape, device=device, dtype=dtype),
                                   torch.empty_like(lse)),
-        "preprocess launch": lambda: preprocess[(_host.cdiv(n, dq_m), b * h)](
-            out, dout, delta, *out.stride(), *dout.stride(), h, n, d, BLOCK_M=dq_m,
-            BLOCK_D=fa._block_d(d), PAD_D=d != fa._block_d(d), **setup.dq_options),
+        "preprocess launch": lambda: fa._launch_preprocess(out, dout, delta, dq_m,
+                                                          setup.dq_options, plan),
         "dk/dv launch": lambda: fa._launch_dkdv(qd, kd, vd, dout, lse, delta, dk, dv, causal,
                                                 scale, dkdv_m, dkdv_n, upcast, tma,
                                                 setup.dkdv_options, plan),

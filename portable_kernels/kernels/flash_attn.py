@@ -994,12 +994,8 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
         # (an expanded scalar's gradient has zero strides): one copy makes it describable.
         do = do.contiguous()
-    pad_d = d != block_d
     delta = torch.empty_like(lse)
-    plan.direct(_flash_attn_bwd_preprocess_kernel)[(_host.cdiv(n_q, dq_m), b * h)](
-        out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
-        BLOCK_M=dq_m, BLOCK_D=block_d, PAD_D=pad_d, **dq_opts,
-    )
+    _launch_preprocess(out, do, delta, dq_m, dq_opts, plan)
     if gluon and plan.switches["GLUON_DQ"]:
         # dq's shares from every key tile meet in fp32, rounded once at the end.
         dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
@@ -1015,6 +1011,17 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
                          upcast, tma, dkdv_opts, plan)
         _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts, plan)
     return dq, dk, dv
+
+
+def _launch_preprocess(out, do, delta, block_m: int, opts: dict, plan) -> None:
+    """``delta`` (B, H, Nq) fp32 = rowsum(out · do), ``block_m`` query rows per program
+    (``bench/host_backward.py`` times this launch alone)."""
+    b, h, n_q, d = out.shape
+    block_d = _block_d(d)
+    plan.direct(_flash_attn_bwd_preprocess_kernel)[(_host.cdiv(n_q, block_m), b * h)](
+        out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
+        BLOCK_M=block_m, BLOCK_D=block_d, PAD_D=d != block_d, **opts,
+    )
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
