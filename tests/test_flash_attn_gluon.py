@@ -89,6 +89,22 @@ def test_three_consumers_at_d64(dims, causal, device, gen, nan_empty, monkeypatc
     _check(_forced, dims, causal, torch.float16, device, gen)
 
 
+@pytest.mark.parametrize("order", [0, 1], ids=["key order", "masked last block first"])
+@pytest.mark.parametrize("dims, causal, three", [
+    ((2, 4, 2, 200, 330, 64), True, False), ((1, 2, 2, 384, 384, 64), True, True),
+    ((1, 2, 1, 390, 250, 128), False, False), ((1, 2, 2, 256, 512, 128), False, False)],
+    ids=str)
+def test_every_key_order(dims, causal, three, order, device, gen, nan_empty, monkeypatch):
+    """KEY_ORDER, either way: key blocks in key order, or the last one first when it needs
+    the mask (so a 192-row causal tile's first rows see no key in its first block); the
+    first block masked or not (MASK_FIRST)."""
+    _skip_unless_gluon_runs(device, dims)
+    monkeypatch.setattr(fg, "KEY_ORDER", order)
+    if three:
+        monkeypatch.setattr(fg, "D64_CONSUMERS_MIN_KEYS", 0)
+    _check(_forced, dims, causal, torch.float16, device, gen)
+
+
 # (B, H, H_kv, Nq, Nk, D): more tiles than an H200 has SMs (192 and 240), so a persistent
 # grid's programs take tiles from the launch's queue: ragged Nq and Nk, GQA, causal Nq < Nk.
 WALK_SHAPES = [(2, 40, 20, 300, 520, 64), (3, 32, 8, 250, 250, 128)]
@@ -304,6 +320,26 @@ def test_forward_consumers_follow_the_mean_key_loop(d, causal, n_k, consumers, m
     assert kwargs["CONSUMERS"] == consumers
     assert kwargs["CONSUMER_REGS"] == fg.CONSUMER_REGS[consumers]
     assert grid == (-(-1000 // (64 * consumers)) * 2 * 4,) and kwargs["WALK"] is False
+
+
+@pytest.mark.parametrize("order, causal, n_k, mask_first", [
+    (1, False, 1024, False), (1, False, 1000, True), (1, True, 1024, True),
+    (1, False, 100, True), (0, False, 1000, False),
+    (0, False, 100, True), (0, True, 1024, True)], ids=str)
+def test_first_block_masked_only_when_it_needs_it(order, causal, n_k, mask_first,
+                                                   monkeypatch):
+    """A tile's first block is masked when causal (the diagonal, or in key order block 0,
+    the first tile's diagonal) or when it is the key tail: the last block (KEY_ORDER 1) or
+    block 0 under one block of keys (key order). Host logic only: the launch is recorded,
+    not run."""
+    launches = _Launches()
+    monkeypatch.setattr(fg, "_flash_attn_fwd_gluon_kernel", launches)
+    monkeypatch.setattr(fg, "KEY_ORDER", order)
+    q = torch.empty(1, 2, 1000, 128, dtype=torch.float16)
+    k = torch.empty(1, 2, n_k, 128, dtype=torch.float16)
+    fg.forward(q, k, k, causal, 0.125)
+    (_, _, kwargs), = launches.calls
+    assert kwargs["MASK_FIRST"] is mask_first and kwargs["KEY_ORDER"] == order
 
 
 @pytest.mark.parametrize("persistent", [1, 0])

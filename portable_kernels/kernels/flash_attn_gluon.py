@@ -102,6 +102,12 @@ PRODUCER_REGS = 24
 #: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
 #: 1% either way at D=128 (``bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1``).
 PINGPONG = True
+#: The order in which a tile takes its key blocks. 0: key order; the first block is
+#: masked whenever the tile is causal, as it holds the first causal tile's diagonal, so
+#: causal tiles have two masked blocks, not one. 1: the last block first when it needs the
+#: mask (the causal diagonal, the key tail), then the rest in key order: one masked block
+#: per 128-row causal tile.
+KEY_ORDER = 1
 #: A persistent grid: one program per SM, each taking its first tile, then the next one
 #: left in the launch's order when it frees up (``_next_tile``: an atomic counter, as
 #: FlashAttention-3 schedules its tiles), so the producer loads a tile's first blocks while
@@ -225,11 +231,12 @@ def _read_tile(tile_slot):
 
 @gluon.jit
 def _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                  v_ready, v_empty, b, h, kvh, tile_m, n_blocks, it,
-                  CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                  v_ready, v_empty, b, h, kvh, tile_m, n_blocks, n_full, it,
+                  KEY_ORDER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Loads one tile's query blocks, then its K and V blocks into the buffer ring from
-    position ``it`` (blocks loaded by the program so far); returns the next position."""
+    position ``it`` (blocks loaded by the program so far), in the consumers' order
+    (``KEY_ORDER``); returns the next position."""
     # The descriptors are 4-D, (B, H, N, D) with [1, 1, rows, D] boxes: the copy engine
     # reads zeros past each head's N, so a tile never reads into the next head. The
     # buffers are 2-D for the MMAs; the copies write them through 4-D views. One query box
@@ -238,26 +245,29 @@ def _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready
     for w in gl.static_range(CONSUMERS):
         _tma_load(q_desc, [b, h, tile_m + w * BLOCK_M, 0], q_bar,
                   q_bufs.index(w).reshape([1, 1, BLOCK_M, HEAD_D]))
+    moved = _moved_last(n_blocks, n_full, KEY_ORDER)
     for i in range(n_blocks):
         g = it + i
         s = g % STAGES
+        start_n = _key_block(i, n_blocks, moved) * BLOCK_N
         # Barriers start in phase 1 done, so the first pass through the buffers waits on
         # nothing.
         ph = ((g // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, kvh, i * BLOCK_N, 0], k_ready.index(s),
+        _tma_load(k_desc, [b, kvh, start_n, 0], k_ready.index(s),
                   k_bufs.index(s).reshape([1, 1, BLOCK_N, HEAD_D]))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [b, kvh, i * BLOCK_N, 0], v_ready.index(s),
+        _tma_load(v_desc, [b, kvh, start_n, 0], v_ready.index(s),
                   v_bufs.index(s).reshape([1, 1, BLOCK_N, HEAD_D]))
     return it + n_blocks
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, queue, smem, sizes, WALK: gl.constexpr,
-              CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+              CAUSAL: gl.constexpr, KEY_ORDER: gl.constexpr, CONSUMERS: gl.constexpr,
+              BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """The copies of each tile the program takes. ``smem`` and ``sizes``: the kernel's
     tuples of buffers and barriers, and of sizes."""
@@ -277,8 +287,8 @@ def _producer(q_desc, k_desc, v_desc, queue, smem, sizes, WALK: gl.constexpr,
             mbarrier.wait(q_empty, (n & 1) ^ 1)
             _publish_tile(tile_slot, t)
             it = _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready,
-                               k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, it,
-                               CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+                               k_empty, v_ready, v_empty, b, h, kvh, tile_m, n_blocks, n_full,
+                               it, KEY_ORDER, CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
             n += 1
             # Drawn once this tile's blocks are queued, a few blocks before its end: the
             # program that frees up first gets the next tile.
@@ -291,8 +301,25 @@ def _producer(q_desc, k_desc, v_desc, queue, smem, sizes, WALK: gl.constexpr,
         b, h, kvh, tile_m, n_blocks, n_full = _tile(t, n_m, H, GROUP, N_K, CAUSAL, TILE_M,
                                                     BLOCK_N)
         _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                      v_ready, v_empty, b, h, kvh, tile_m, n_blocks, 0, CONSUMERS, BLOCK_M,
-                      BLOCK_N, HEAD_D, STAGES)
+                      v_ready, v_empty, b, h, kvh, tile_m, n_blocks, n_full, 0, KEY_ORDER,
+                      CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+
+
+@gluon.jit
+def _moved_last(n_blocks, n_full, KEY_ORDER: gl.constexpr):
+    """1 when the tile's last block goes first (``KEY_ORDER`` 1 and a block needs the
+    mask), else 0."""
+    if KEY_ORDER == 0:
+        return 0
+    else:
+        return (n_blocks > n_full).to(gl.int32)
+
+
+@gluon.jit
+def _key_block(i, n_blocks, moved):
+    """The key block a tile's step ``i`` takes: the last first when ``moved``
+    (:func:`_moved_last`), then the others in key order."""
+    return gl.where(i == 0, moved * (n_blocks - 1), i - moved)
 
 
 @gluon.jit
@@ -327,11 +354,19 @@ def _softmax(qk, m_i, l_i, qk_scale, start_m, start_n, N_K, MASK: gl.constexpr,
         qk = gl.where(keep, qk, -float("inf"))
     if RAW_MAX:
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(qk, 1))
-        p = gl.exp2(qk - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    m_sub = m_new
+    if MASK:
+        # A row can have seen no key yet: with the last block first (KEY_ORDER), the first
+        # rows of a 192-row causal tile come before every key of its first block.
+        # Subtracting 0 then keeps p and alpha at 0, where -inf - -inf would make NaN.
+        m_sub = gl.where(m_new == -float("inf"), 0.0, m_new)
+    if RAW_MAX:
+        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_sub, 1))
+    else:
+        p = gl.exp2(qk - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
@@ -384,8 +419,9 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
                   Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m, n_blocks, n_full,
                   it, turns, N_Q, N_K, qk_scale, WALK: gl.constexpr, WG: gl.constexpr,
                   CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-                  PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                  PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                  STAGES: gl.constexpr):
     """Warpgroup ``WG``'s 64 query rows of one tile, its K/V blocks from ring position
     ``it`` and its turns from ``turns``: the key loop, then ``out`` and ``lse``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -400,29 +436,32 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     o = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
 
-    # Block 0, masked: with top-left alignment it holds the causal diagonal of the first
-    # tile, and it is the key tail when Nk < BLOCK_N (elsewhere the mask keeps every key).
+    # The first block alone (no P·V behind its scores yet), masked when it needs to be
+    # (MASK_FIRST, the host's), then the blocks every row of the tile sees in full, then
+    # the rest (causal diagonal, key tail), masked. With KEY_ORDER 1 the last block goes
+    # first when it needs the mask, so a 128-row causal tile masks its diagonal only.
+    moved = _moved_last(n_blocks, n_full, KEY_ORDER)
     qk = _issue_scores(q_wg, k_bufs, k_ready, it, s_layout, BLOCK_M, BLOCK_N, STAGES)
     qk = warpgroup_mma_wait(0, deps=[qk])
     mbarrier.arrive(k_empty.index(it % STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m, 0, N_K, True, CAUSAL,
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m,
+                                  moved * (n_blocks - 1) * BLOCK_N, N_K, MASK_FIRST, CAUSAL,
                                   RAW_MAX, s_layout, BLOCK_M, BLOCK_N)
     p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-    # Blocks every row of the tile sees in full, then the causal diagonal and the key tail.
-    for i in range(1, n_full):
+    for i in range(1, n_full + moved):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                         v_empty, turn, it + i, i * BLOCK_N, turns + i, o,
-                                         p_op, alpha, m_i, l_i, qk_scale, start_m, N_K, WG,
-                                         CONSUMERS, False, CAUSAL, RAW_MAX, PINGPONG,
-                                         s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                                         STAGES)
-    for i in range(gl.maximum(n_full, 1), n_blocks):
+                                         v_empty, turn, it + i, (i - moved) * BLOCK_N,
+                                         turns + i, o, p_op, alpha, m_i, l_i, qk_scale,
+                                         start_m, N_K, WG, CONSUMERS, False, CAUSAL, RAW_MAX,
+                                         PINGPONG, s_layout, o_layout, p_layout, BLOCK_M,
+                                         BLOCK_N, STAGES)
+    for i in range(gl.maximum(n_full + moved, 1), n_blocks):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                         v_empty, turn, it + i, i * BLOCK_N, turns + i, o,
-                                         p_op, alpha, m_i, l_i, qk_scale, start_m, N_K, WG,
-                                         CONSUMERS, True, CAUSAL, RAW_MAX, PINGPONG,
-                                         s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                                         STAGES)
+                                         v_empty, turn, it + i, (i - moved) * BLOCK_N,
+                                         turns + i, o, p_op, alpha, m_i, l_i, qk_scale,
+                                         start_m, N_K, WG, CONSUMERS, True, CAUSAL, RAW_MAX,
+                                         PINGPONG, s_layout, o_layout, p_layout, BLOCK_M,
+                                         BLOCK_N, STAGES)
     if WALK:
         # Every scores product of the tile has completed: the producer may load the next
         # tile's query blocks while this one's last P·V and epilogue run.
@@ -448,8 +487,9 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
 @gluon.jit
 def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
               CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+              PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr):
     """Warpgroup ``WG``'s 64 query rows of each tile the program takes. ``smem``,
     ``outputs`` and ``sizes``: the kernel's tuples of buffers and barriers, output
     pointers and strides, and sizes."""
@@ -473,7 +513,8 @@ def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
             _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty,
                           turn, Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m,
                           n_blocks, n_full, it, turns, N_Q, N_K, qk_scale, WALK, WG, CONSUMERS,
-                          CAUSAL, RAW_MAX, PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+                          CAUSAL, RAW_MAX, PINGPONG, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N,
+                          HEAD_D, STAGES)
             it += n_blocks
             turns += n_blocks - 1
             n += 1
@@ -486,7 +527,7 @@ def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
         _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                       Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m, n_blocks,
                       n_full, 0, 0, N_Q, N_K, qk_scale, WALK, WG, CONSUMERS, CAUSAL, RAW_MAX,
-                      PINGPONG, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+                      PINGPONG, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
 
 
 @gluon.jit
@@ -494,7 +535,8 @@ def _flash_attn_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, Out, Lse, queue, stride_ob, stride_oh, stride_on,
         BH, H, GROUP, N_Q, N_K, qk_scale,
         WALK: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-        PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+        PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
+        CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # Tiles in the launch order of ``_tile``: one per program, or with WALK (a persistent
@@ -540,22 +582,22 @@ def _flash_attn_fwd_gluon_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (smem, outputs, sizes, 0, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_consumer, (smem, outputs, sizes, 1, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_consumer, (smem, outputs, sizes, 2, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, CONSUMERS,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, KEY_ORDER,
+                         CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (smem, outputs, sizes, 0, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_consumer, (smem, outputs, sizes, 1, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, CONSUMERS,
-                         BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, KEY_ORDER,
+                         CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -827,10 +869,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     _host.launcher(plan, _flash_attn_fwd_gluon_kernel)[(num_sms if walk else tiles,)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
         queue, *out.stride()[:3], b * h, h, h // h_kv, n_q, n_k, scale * _LOG2E,
-        WALK=walk, CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, CONSUMERS=consumers,
+        WALK=walk, CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG,
+        KEY_ORDER=KEY_ORDER, MASK_FIRST=_first_block_masked(causal, n_k), CONSUMERS=consumers,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
+
+
+def _first_block_masked(causal: bool, n_k: int) -> bool:
+    """Whether a tile's first key block needs the mask (``KEY_ORDER``): always when causal
+    (in key order block 0 holds the first tile's diagonal, otherwise the first block is the
+    diagonal); without ``causal`` when it is the key tail: the last block, or block 0 in
+    key order when Nk < BLOCK_N."""
+    if causal:
+        return True
+    return n_k % BLOCK_N != 0 if KEY_ORDER else n_k < BLOCK_N
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
