@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,43 @@ def test_script_parses_and_its_default_files_exist():
 def test_control_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         _load("memcheck_control").main()
+
+
+def test_tma_control_overruns_through_the_copy_engine():
+    """``memcheck_control.py --tma`` must read past its tensor with a TMA copy, not with
+    pointer loads, or its verdict (docs/conformance.md: memcheck does not report it) would
+    say nothing about the descriptor kernels. Compiled for sm_90 with Triton's ptxas in a
+    fresh process (``ci/sm90_compile.py`` turns the interpreter off before Triton loads)."""
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "ci")
+        import sm90_compile as sc
+        import torch
+        from triton.runtime import jit
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        import memcheck_control as mc
+
+        compiler, ptx = sc.Compiler(232448), []
+        compile_ = sc.triton.compile
+
+        def compile_keeping_ptx(*args, **kwargs):
+            compiled = compile_(*args, **kwargs)
+            ptx.append(compiled.asm["ptx"])
+            return compiled
+
+        sc.triton.compile = compile_keeping_ptx
+        jit.JITFunction.run = lambda self, *a, grid, warmup, **kw: compiler.run(self, a, kw)
+        src = torch.empty(mc.TMA_ROWS, mc.TMA_COLS, dtype=torch.float16)
+        desc = TensorDescriptor(src, [2 * mc.TMA_ROWS, mc.TMA_COLS], [mc.TMA_COLS, 1],
+                                [mc.TMA_ROWS, mc.TMA_COLS])
+        mc._tma_overrun_kernel[(1,)](desc, src, ROWS=mc.TMA_ROWS, COLS=mc.TMA_COLS)
+        print([row.error for row in compiler.rows])
+        print("copy engine load:", any("cp.async.bulk.tensor" in p for p in ptx))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "['']" in done.stdout and "copy engine load: True" in done.stdout, done.stdout
 
 
 FAKE_SANITIZER = r"""#!/usr/bin/env bash
