@@ -4,8 +4,9 @@ A module constant of ``portable_kernels/kernels/flash_attn_gluon.py`` that the f
 launcher reads on every call (``PINGPONG``, ``STAGES``, ...) takes each of the given
 values in turn, round after round, so that the values are timed in alternation in one
 process and clock or thermal drift falls on all of them alike. SDPA's forward with the
-cuDNN and with the flash backend is timed in the same rounds as the baselines. Each value's output is checked against SDPA
-with the library's "attention" tolerance before it is timed; fresh ``torch.randn`` inputs.
+cuDNN and with the flash backend is timed in the same rounds as the baselines. Each
+value's output is checked against SDPA with the library's "attention" tolerance before it
+is timed; fresh ``torch.randn`` inputs.
 
     python bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1 [--seqlens 4096,16384]
                                         [--dims 64,128] [--dtype fp16] [--rounds 5]

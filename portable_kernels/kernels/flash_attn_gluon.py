@@ -274,8 +274,8 @@ def _produce_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, queue, smem, sizes, WALK: gl.constexpr,
               CAUSAL: gl.constexpr, KEY_ORDER: gl.constexpr, CONSUMERS: gl.constexpr,
-              BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr):
     """The copies of each tile the program takes. ``smem`` and ``sizes``: the kernel's
     tuples of buffers and barriers, and of sizes."""
     (q_bufs, k_bufs, v_bufs, q_bar, q_empty, tile_slot, k_ready, k_empty, v_ready, v_empty,
@@ -543,9 +543,9 @@ def _flash_attn_fwd_gluon_kernel(
         BH, H, GROUP, N_Q, N_K, qk_scale,
         WALK: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
         PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
-        CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr):
     # Tiles in the launch order of ``_tile``: one per program, or with WALK (a persistent
     # grid) program p takes tile p, then tiles drawn from ``queue`` as it frees up.
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
