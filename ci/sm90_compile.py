@@ -61,15 +61,17 @@ class Row:
     regs: int | None = None
     local: int | None = None      # STACK + LOCAL bytes per thread: spills and local arrays
     error: str = ""
+    ptx: str = ""                 # with ``Compiler(keep_ptx=True)``: for tests of the code
 
 
 class Compiler:
     """Stands in for ``JITFunction.run``: specializes the call as the JIT does, compiles it
-    for sm_90, records the resources, launches nothing."""
+    for sm_90, records the resources (and with ``keep_ptx`` the PTX), launches nothing."""
 
-    def __init__(self, shared_limit: int) -> None:
+    def __init__(self, shared_limit: int, keep_ptx: bool = False) -> None:
         self.backend = CUDABackend(TARGET)
         self.shared_limit = shared_limit
+        self.keep_ptx = keep_ptx
         self.rows: list[Row] = []
         self.case = ""
         self._binders: dict = {}
@@ -89,6 +91,7 @@ class Compiler:
             src = (GluonASTSource if gluon else ASTSource)(fn, signature, constexprs, attrs)
             compiled = triton.compile(src, target=TARGET, options=options.__dict__)
             row.shared = compiled.metadata.shared
+            row.ptx = compiled.asm["ptx"] if self.keep_ptx else ""
             row.regs, row.local = self._resource_usage(compiled)
             if row.shared > self.shared_limit:
                 row.error = f"shared memory {row.shared} B > {self.shared_limit} B"

@@ -99,22 +99,14 @@ def test_tma_control_overruns_through_the_copy_engine():
         from triton.tools.tensor_descriptor import TensorDescriptor
         import memcheck_control as mc
 
-        compiler, ptx = sc.Compiler(232448), []
-        compile_ = sc.triton.compile
-
-        def compile_keeping_ptx(*args, **kwargs):
-            compiled = compile_(*args, **kwargs)
-            ptx.append(compiled.asm["ptx"])
-            return compiled
-
-        sc.triton.compile = compile_keeping_ptx
+        compiler = sc.Compiler(232448, keep_ptx=True)
         jit.JITFunction.run = lambda self, *a, grid, warmup, **kw: compiler.run(self, a, kw)
         src = torch.empty(mc.TMA_ROWS, mc.TMA_COLS, dtype=torch.float16)
         desc = TensorDescriptor(src, [2 * mc.TMA_ROWS, mc.TMA_COLS], [mc.TMA_COLS, 1],
                                 [mc.TMA_ROWS, mc.TMA_COLS])
         mc._tma_overrun_kernel[(1,)](desc, src, ROWS=mc.TMA_ROWS, COLS=mc.TMA_COLS)
         print([row.error for row in compiler.rows])
-        print("copy engine load:", any("cp.async.bulk.tensor" in p for p in ptx))
+        print("copy engine load:", "cp.async.bulk.tensor" in compiler.rows[0].ptx)
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
