@@ -91,7 +91,9 @@ BLOCK_M = 64
 D64_CONSUMERS = 3
 D64_CONSUMERS_MIN_KEYS = 4096
 #: Keys per block, and the K/V buffers in flight. A 128-key block with two buffers measured
-#: fastest at D=64 and D=128 (64-key blocks with 3 or 4 buffers: 10-12% slower, 2026-11-30).
+#: fastest at D=64 and D=128 (64-key blocks with 3 or 4 buffers: 10-12% slower; three
+#: 128-key buffers: level at D=64, 0-2% slower at D=128; H200, 2026-11-30). 256-key blocks
+#: at D=64 do not fit a consumer's 232 registers (ptxas spills and serializes the MMAs).
 BLOCK_N = 128
 STAGES = 2
 #: Registers per thread of each worker consumer warpgroup, by consumer count. Four warps
