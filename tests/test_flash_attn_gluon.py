@@ -105,6 +105,18 @@ def test_every_key_order(dims, causal, three, order, device, gen, nan_empty, mon
     _check(_forced, dims, causal, torch.float16, device, gen)
 
 
+@pytest.mark.parametrize("pack", [0, 1], ids=["p.to", "cvt x2 asm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dims, causal", [((1, 2, 2, 200, 330, 64), True),
+                                          ((1, 2, 1, 390, 250, 128), False)], ids=str)
+def test_either_packing_of_p(dims, causal, dtype, pack, device, gen, nan_empty, monkeypatch):
+    """PACK_P, either way: P converted element by element, or two elements per register
+    in inline PTX, whose halves must come out in the order the MMA reads them."""
+    _skip_unless_gluon_runs(device, dims)
+    monkeypatch.setattr(fg, "PACK_P", pack)
+    _check(_forced, dims, causal, dtype, device, gen)
+
+
 # (B, H, H_kv, Nq, Nk, D): more tiles than an H200 has SMs (192 and 240), so a persistent
 # grid's programs take tiles from the launch's queue: ragged Nq and Nk, GQA, causal Nq < Nk.
 WALK_SHAPES = [(2, 40, 20, 300, 520, 64), (3, 32, 8, 250, 250, 128)]

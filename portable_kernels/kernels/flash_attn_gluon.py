@@ -35,7 +35,7 @@ tile masks its diagonal only. In each consumer, key block i runs FlashAttention-
 intra-warpgroup order: the scores ``q·kᵢᵀ`` are issued, the output rescaled for block
 i-1, ``P₍ᵢ₋₁₎·V₍ᵢ₋₁₎`` issued behind them, and waiting until one MMA group is outstanding
 returns the scores while the PV product still runs. ``P`` stays in registers as the MMA's
-A operand.
+A operand, converted two scores per register (:data:`PACK_P`).
 
 The copies go through 4-D host descriptors of the (B, H, N, D) tensors with one head's rows
 per box, so any 16-byte aligned strides work and rows past Nq or Nk read as zeros: keys
@@ -107,6 +107,16 @@ PRODUCER_REGS = 24
 #: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
 #: 1% either way at D=128 (``bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1``).
 PINGPONG = True
+#: How the softmax's P becomes the 16-bit A operand of P·V. 0: ``p.to(dtype)``. Triton 3.6
+#: converts each score alone and packs the pairs afterwards, and ptxas then swaps the two
+#: halves of every packed register: one PRMT per register, 32 a step in a 64-row
+#: warpgroup (the D=64 unmasked step: 452 SASS instructions, 426 without them; with the
+#: loops' code order reversed, two PRMTs a register, which is why that order ran 2-7%
+#: slower). 1: one ``cvt.rn.f16x2.f32`` (``bf16x2``) per pair in inline PTX, no swaps
+#: (:func:`_pack_p`). Timed in alternation on the H200 (fp16, CUDA-graph replays,
+#: ``bench/flash_attn_gluon_ab.py --knob PACK_P=0,1 --graphs``, 2026-11-30): 1-4% faster
+#: in all 8 rows (N=4096 and 16384, D=64 and 128, full and causal).
+PACK_P = 1
 #: The order in which a tile takes its key blocks. 0: key order; the first block is
 #: masked whenever the tile is causal, as it holds the first causal tile's diagonal, so
 #: causal tiles have two masked blocks, not one. 1: the last block first when it needs the
@@ -381,6 +391,21 @@ def _softmax(qk, m_i, l_i, qk_scale, start_m, start_n, N_K, MASK: gl.constexpr,
 
 
 @gluon.jit
+def _pack_p(p, dtype: gl.constexpr, PACK_P: gl.constexpr):
+    """``p`` (fp32) in ``dtype`` (fp16 or bf16), with ``PACK_P`` two elements per 32-bit
+    register in one conversion: ``cvt`` puts its first source in the upper half, so the
+    second element goes first."""
+    if not PACK_P:
+        return p.to(dtype)
+    elif dtype == gl.float16:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
 def _rescale(o, alpha, o_layout: gl.constexpr):
     return o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
 
@@ -397,7 +422,7 @@ def _issue_pv(p_op, v_bufs, v_ready, o, j, STAGES: gl.constexpr):
 def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, g, start_n, tt, o,
           p_op, alpha, m_i, l_i, qk_scale, start_m, N_K, WG: gl.constexpr,
           CONSUMERS: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr,
+          RAW_MAX: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The key block at ring position ``g`` (keys from ``start_n``), the warpgroup's turn
@@ -419,7 +444,7 @@ def _step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn, g, s
     # P(g-1) is the running MMA's operand: its registers are free only after this wait.
     o = warpgroup_mma_wait(0, deps=[o])
     mbarrier.arrive(v_empty.index((g - 1) % STAGES), count=1)
-    p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+    p_op = gl.convert_layout(_pack_p(p, v_bufs.dtype, PACK_P), p_layout)
     return o, p_op, alpha, m_i, l_i
 
 
@@ -428,9 +453,9 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
                   Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m, n_blocks, n_full,
                   it, turns, N_Q, N_K, qk_scale, WALK: gl.constexpr, WG: gl.constexpr,
                   CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-                  PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  PINGPONG: gl.constexpr, PACK_P: gl.constexpr, KEY_ORDER: gl.constexpr,
+                  MASK_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup ``WG``'s 64 query rows of one tile, its K/V blocks from ring position
     ``it`` and its turns from ``turns``: the key loop, then ``out`` and ``lse``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -456,20 +481,20 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale, start_m,
                                   moved * (n_blocks - 1) * BLOCK_N, N_K, MASK_FIRST, CAUSAL,
                                   RAW_MAX, s_layout, BLOCK_M, BLOCK_N)
-    p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+    p_op = gl.convert_layout(_pack_p(p, v_bufs.dtype, PACK_P), p_layout)
     for i in range(1, n_full + moved):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                                          v_empty, turn, it + i, (i - moved) * BLOCK_N,
                                          turns + i, o, p_op, alpha, m_i, l_i, qk_scale,
                                          start_m, N_K, WG, CONSUMERS, False, CAUSAL, RAW_MAX,
-                                         PINGPONG, s_layout, o_layout, p_layout, BLOCK_M,
+                                         PINGPONG, PACK_P, s_layout, o_layout, p_layout, BLOCK_M,
                                          BLOCK_N, STAGES)
     for i in range(gl.maximum(n_full + moved, 1), n_blocks):
         o, p_op, alpha, m_i, l_i = _step(q_wg, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                                          v_empty, turn, it + i, (i - moved) * BLOCK_N,
                                          turns + i, o, p_op, alpha, m_i, l_i, qk_scale,
                                          start_m, N_K, WG, CONSUMERS, True, CAUSAL, RAW_MAX,
-                                         PINGPONG, s_layout, o_layout, p_layout, BLOCK_M,
+                                         PINGPONG, PACK_P, s_layout, o_layout, p_layout, BLOCK_M,
                                          BLOCK_N, STAGES)
     if WALK:
         # Every scores product of the tile has completed: the producer may load the next
@@ -496,9 +521,9 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
 @gluon.jit
 def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
               CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-              PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr):
+              PINGPONG: gl.constexpr, PACK_P: gl.constexpr, KEY_ORDER: gl.constexpr,
+              MASK_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup ``WG``'s 64 query rows of each tile the program takes. ``smem``,
     ``outputs`` and ``sizes``: the kernel's tuples of buffers and barriers, output
     pointers and strides, and sizes."""
@@ -522,8 +547,8 @@ def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
             _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty,
                           turn, Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m,
                           n_blocks, n_full, it, turns, N_Q, N_K, qk_scale, WALK, WG, CONSUMERS,
-                          CAUSAL, RAW_MAX, PINGPONG, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N,
-                          HEAD_D, STAGES)
+                          CAUSAL, RAW_MAX, PINGPONG, PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M,
+                          BLOCK_N, HEAD_D, STAGES)
             it += n_blocks
             turns += n_blocks - 1
             n += 1
@@ -536,7 +561,7 @@ def _consumer(smem, outputs, sizes, WG: gl.constexpr, WALK: gl.constexpr,
         _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                       Out, Lse, stride_ob, stride_oh, stride_on, b, h, H, tile_m, n_blocks,
                       n_full, 0, 0, N_Q, N_K, qk_scale, WALK, WG, CONSUMERS, CAUSAL, RAW_MAX,
-                      PINGPONG, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
+                      PINGPONG, PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)
 
 
 @gluon.jit
@@ -544,10 +569,10 @@ def _flash_attn_fwd_gluon_kernel(
         q_desc, k_desc, v_desc, Out, Lse, queue, stride_ob, stride_oh, stride_on,
         BH, H, GROUP, N_Q, N_K, qk_scale,
         WALK: gl.constexpr, CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr,
-        PINGPONG: gl.constexpr, KEY_ORDER: gl.constexpr, MASK_FIRST: gl.constexpr,
-        CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr):
+        PINGPONG: gl.constexpr, PACK_P: gl.constexpr, KEY_ORDER: gl.constexpr,
+        MASK_FIRST: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # Tiles in the launch order of ``_tile``: one per program, or with WALK (a persistent
     # grid) program p takes tile p, then tiles drawn from ``queue`` as it frees up.
     TILE_M: gl.constexpr = CONSUMERS * BLOCK_M
@@ -591,20 +616,20 @@ def _flash_attn_fwd_gluon_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (smem, outputs, sizes, 0, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_consumer, (smem, outputs, sizes, 1, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_consumer, (smem, outputs, sizes, 2, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, KEY_ORDER,
                          CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (smem, outputs, sizes, 0, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_consumer, (smem, outputs, sizes, 1, WALK, CONSUMERS, CAUSAL, RAW_MAX, PINGPONG,
-                         KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
+                         PACK_P, KEY_ORDER, MASK_FIRST, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, queue, smem, sizes, WALK, CAUSAL, KEY_ORDER,
                          CONSUMERS, BLOCK_M, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -878,7 +903,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     _host.launcher(plan, _flash_attn_fwd_gluon_kernel)[(num_sms if walk else tiles,)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
         queue, *out.stride()[:3], b * h, h, h // h_kv, n_q, n_k, scale * _LOG2E,
-        WALK=walk, CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG,
+        WALK=walk, CAUSAL=causal, RAW_MAX=scale > 0, PINGPONG=PINGPONG, PACK_P=PACK_P,
         KEY_ORDER=KEY_ORDER, MASK_FIRST=_first_block_masked(causal, n_k), CONSUMERS=consumers,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=d, STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
