@@ -114,8 +114,8 @@ PINGPONG = True
 #: loops' code order reversed, two PRMTs a register, which is why that order ran 2-7%
 #: slower). 1: one ``cvt.rn.f16x2.f32`` (``bf16x2``) per pair in inline PTX, no swaps
 #: (:func:`_pack_p`). Timed in alternation on the H200 (fp16, CUDA-graph replays,
-#: ``bench/flash_attn_gluon_ab.py --knob PACK_P=0,1 --graphs``, 2026-11-30): 1-4% faster
-#: in all 8 rows (N=4096 and 16384, D=64 and 128, full and causal).
+#: ``bench/flash_attn_gluon_ab.py --knob PACK_P=0,1 --graphs``, 2026-11-30): faster in
+#: all 8 rows (N=4096 and 16384, D=64 and 128, full and causal), by 0.4-4%.
 PACK_P = 1
 #: The order in which a tile takes its key blocks. 0: key order; the first block is
 #: masked whenever the tile is causal, as it holds the first causal tile's diagonal, so
