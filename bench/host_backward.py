@@ -1,7 +1,7 @@
 """Host time of one eager flash_attn backward call, in pieces, on an NVIDIA GPU.
 
 At short sequences an eager backward call can take longer on the host than its kernels take
-on the GPU (docs/performance.md, fifteenth and sixteenth 11-30 sessions). The problem here
+on the GPU (docs/performance.md, "Host time per call"). The problem here
 is small enough (default 1x2x256x64) that the kernels take no time, so each case's µs per
 call is host time: ``--iters`` calls, then one synchronize, median of five
 (``host_per_call.py``'s timer). The cases, in an order that rotates between ``--rounds``:

@@ -61,7 +61,7 @@ NUM_SMS_FALLBACK = 132
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) per path, before the filters.
 # Five and six stages: with weights read from HBM (--cold), deeper pipelines won on
-# 128x4096x4096 (2026-11-30: 6 stages 0.84x cuBLAS against 0.78x for the best of 3-4).
+# 128x4096x4096 (H200: 6 stages 0.84x cuBLAS against 0.78x for the best of 3-4).
 GRID = {
     "tma": list(itertools.product((64, 128), (64, 128, 256), (64, 128), (1, 2, 4, 8), (4, 8), (3, 4, 5, 6))),
     "ptr": list(itertools.product((32, 64, 128), (64, 128, 256), (32, 64), (1, 2, 4, 8), (4, 8), (3, 4, 5, 6))),

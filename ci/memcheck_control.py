@@ -14,7 +14,7 @@ follows the 1000-element allocation, so it is only ever run under memcheck.
 the rows its tensor has, and an sm_90 kernel loads the block past the end through it (a
 TMA copy, which bounds-checks against the declared shape only). Whether memcheck reports
 that tells whether a clean run covers the descriptor kernels' loads at all. On the H200
-(2026-11-30, compute-sanitizer of CUDA 13) it did not: 0 errors for this overrun, in the
+(compute-sanitizer of CUDA 13) it did not: 0 errors for this overrun, in the
 same call that reported the pointer control's (docs/conformance.md).
 """
 from __future__ import annotations

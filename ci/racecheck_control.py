@@ -12,7 +12,7 @@ partitions of unequal length (``--spin``).
     compute-sanitizer --tool racecheck --racecheck-report hazard \\
         python3 ci/racecheck_control.py --workers 4,1 [--smem] [--spin 2000]
 
-On the H200 (2026-11-30, compute-sanitizer 2025.3.1) racecheck reported the same hazard as
+On the H200 (compute-sanitizer 2025.3.1) racecheck reported the same hazard as
 in our kernels (the default warps' exit code, read by a worker's dispatch) exactly when some
 warps had passed a barrier of their own partition (``--smem``: ``bar.sync 0, 128`` in the
 4 default warps) that others had not (a 1-warp worker, padding warps): with ``--workers 1``,

@@ -105,7 +105,7 @@ class Compiler:
         """ptxas's warning that it serialized warpgroup MMAs, or "". The Gluon kernels
         schedule their MMAs by hand, one in flight behind the next; when registers of an
         MMA in flight are touched before its wait, ptxas waits after every MMA instead
-        (seen: the Gluon matmul 13-16% slower than unserialized, H200, 2026-11-30).
+        (seen: the Gluon matmul 13-16% slower than unserialized on the H200).
         Triton does not show ptxas's warnings, so its PTX is assembled again here."""
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
         if not tool.exists():

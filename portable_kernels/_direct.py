@@ -5,7 +5,7 @@ Triton's ``JITFunction.run`` still works out on each call what its arguments spe
 (types, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), looks the
 binary up, reads its knobs and builds launch metadata for hooks. On the H200 host that cost
 14 µs per call (``kernel[grid](...)`` 24.3 µs against 10.2 µs for the binary's own
-launcher, 16x4096x4096 bf16, 2026-11-30), more than the kernel itself (10 µs).
+launcher, 16x4096x4096 bf16, triton 3.6), more than the kernel itself (10 µs).
 
 :class:`DirectLaunch` keeps, per tuned problem, the binaries the JIT path returned, keyed by
 everything that could select another binary: the current device, each tensor argument's

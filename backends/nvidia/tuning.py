@@ -66,7 +66,7 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
         # M = 128, N = 4096: 2 x 64 tiles. Five stages, not four: with cold weights (read
         # from HBM, as a model's are) the deeper pipeline took 128x4096x4096 from 0.77 to
-        # 0.85x cuBLAS, and from 0.80-0.85 to 0.87x with them in L2 (2026-11-30 sweep).
+        # 0.85x cuBLAS, and from 0.80-0.85 to 0.87x with them in L2 (H200, triton 3.6).
         _gemm(64, 64, 128, 5, 8, EPILOGUE_SUBTILE=False),
         # Split-K: for outputs with too few tiles to occupy the SMs (M of 16 or 128 with
         # N = 4096; 1024-squares), which the launcher's pruning offers them only to. The
@@ -78,12 +78,12 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         _gemm(128, 128, 64, 4, 8, SPLIT_K=4),   # M <= 128: N/128 tiles x 4
         _gemm(128, 128, 64, 4, 8, SPLIT_K=2),   # 1024-squares: 64 tiles x 2
         # Pointer loads, one program per tile (TMA and PERSISTENT off for these): the
-        # generic table's picks for small problems on the H200 (2026-11-29), where that
+        # generic table's picks for small problems on the H200 (triton 3.6), where that
         # kernel ran faster than the descriptor one (1024^3: 7.6 against 9.1 us; 16 x 4096
         # x 4096: 9.6 against 15.4 us, bench/results/2026-11-30-h200/matmul-trace.txt),
-        # and the winners of bench/matmul_sweep.py (bf16, 2026-11-30: 1024^3 6.7 us against
+        # and the winners of bench/matmul_sweep.py (bf16: 1024^3 6.7 us against
         # 7.7 for the generic pick; 128 x 14336 x 4096 33.5 us against 36.7 for the
-        # descriptor pick; fp16 and bf16, 11-30: 2048^3 25.3 and 24.7 us against 27.7 and
+        # descriptor pick; fp16 and bf16: 2048^3 25.3 and 24.7 us against 27.7 and
         # 27.1 for the descriptor pick). The autotuner weighs them against the rest per
         # problem.
         _gemm(128, 256, 32, 3, 8, **_POINTERS),                # 2048-squares
@@ -101,7 +101,7 @@ def _matmul_fp8(device: DeviceInfo) -> list[triton.Config]:
     # column-major, as an (N, K) weight's transpose); other layouts run fp16 MMAs on
     # converted tiles, through descriptors (0.31-0.33x scaled_mm at 4096^3) or pointer
     # loads (0.23x at best), so the pointer configs here are for operands descriptors
-    # cannot take. 2026-11-30 probe and sweep (bench/matmul_sweep.py --dtype fp8e4m3).
+    # cannot take. Measured on the H200 (bench/matmul_sweep.py --dtype fp8e4m3).
     fp8 = {"OPERAND_BYTES": 1}
     return [
         _gemm(128, 256, 128, 3, 8, EPILOGUE_SUBTILE=True, **fp8),
@@ -133,7 +133,7 @@ def _grouped_matmul(device: DeviceInfo) -> list[triton.Config]:
 
 
 def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
-    # The winners of bench/grouped_matmul_sweep.py on the H200 (2026-11-30, bf16, 18 tiles,
+    # The winners of bench/grouped_matmul_sweep.py on the H200 (bf16, 18 tiles,
     # mixture-of-experts layers of 8 and 64 experts, b row- and column-major; results in
     # docs/performance.md): 128x256 with 8 warps where experts hold many tokens, 64x256
     # with 4 warps where they hold few (64 experts of 32 tokens: 1.01x PyTorch's grouped
@@ -166,7 +166,7 @@ def _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=None) -> triton.Config:
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
-# Backward settings measured by bench/flash_attn_sweep.py on the H200 (2026-11-29, fp16,
+# Backward settings measured by bench/flash_attn_sweep.py on the H200 (triton 3.6, fp16,
 # B=4, H=32, N=4096, the fastest over causal and not; docs/performance.md has the table):
 # (BLOCK_M, BLOCK_N, warps, stages), with pointer loads and with descriptors.
 _DKDV_D64, _DQ_D64 = (32, 64, 4, 3), (64, 64, 4, 3)
@@ -200,18 +200,18 @@ def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
     # nvidia.hopper, fp16/bf16 at D=64 (128-byte rows) and D=128 (256-byte rows). The
     # forward autotunes among the configs of the tightest ROW_BYTES_MAX that fits: the
     # fastest tiles of bench/flash_attn_sweep.py on the H200, through descriptors and, where
-    # a pointer-load tile (cp.async pipelining) timed faster (two sweeps on 2026-11-29 and
-    # 11-30: 128x64 with 8 warps at D=64, 2-6%; 128x128 with 8 warps at D=128, full), with
+    # a pointer-load tile (cp.async pipelining) timed faster (two sweeps: 128x64 with 8
+    # warps at D=64, 2-6%; 128x128 with 8 warps at D=128, full), with
     # pointer loads (TMA: False). The backward takes the first config that fits, so each
     # class leads with the sweep's fastest descriptor-path backward settings.
     # No warp-specialized config: triton 3.6's warp-specialized loop for sm_90 (a TMA
     # producer and two consumer warpgroups) computed wrong outputs on the H200 for every
     # causal tile and for 3 stages (inf, errors of 0.2-0.5), and where it was right (full,
-    # 2 stages) it ran 7-17% slower than the best pipelined tile (sweep of 2026-11-30).
+    # 2 stages) it ran 7-17% slower than the best pipelined tile (bench/flash_attn_sweep.py).
     # Triton's fused-attention tutorial runs warp_specialize on Blackwell only. The switch
     # and the loop remain (tested under the interpreter) for later Triton releases.
     # The backward takes descriptors from 2048 positions on: as kernels (graph replays,
-    # fp16, B=4, H=32, 2026-11-30) its pointer-load kernels were 5-18% faster at N=1024
+    # fp16, B=4, H=32, H200) its pointer-load kernels were 5-18% faster at N=1024
     # (per-program descriptor set-up over a short loop) and 3-5% slower at N=4096.
     def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes, tma=True):
         c = _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=row_bytes)

@@ -97,7 +97,7 @@ def kept_scratch(device: torch.device, n: int) -> torch.Tensor:
     that writes every element it reads earlier in the same launch (the split-K partial
     tiles): kept per stream, and per graph capture, as :func:`kept_zeros` keeps its
     buffers, so that an eager call does not allocate it (measured in alternation on an
-    H200 host: 1.5-1.9 µs less host time per split-K call, of 36-68, 2026-11-30). A
+    H200 host: 1.5-1.9 µs less host time per split-K call, of 36-68). A
     stream's buffer lives as long as the process and holds at most twice the largest
     request made on it."""
     return _kept_buffer(_kept_scratch, device, n, lambda size: torch.empty(size, dtype=torch.float32, device=device))

@@ -292,7 +292,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
     descriptor path with every ``b`` column-major (``w.t()`` of (N, K) weights); elsewhere
     their tiles become fp16 first."""
     # Host time per call grows with the number of groups (about 10 us a group on the H200's
-    # host, 2026-11-30), most of it Python per group: one pass after the checks.
+    # host), most of it Python per group: one pass after the checks.
     dtype, device = _check(list_a, list_b)
     size = list_a[0].element_size()
     result = out_dtype(dtype)

@@ -187,7 +187,7 @@ def _matmul_tile(
     if TMA:
         # Never warp-specialized when K is split: on sm_90 with triton 3.6 the 4-warp
         # split-K configs (the ones Triton specializes) computed garbage, errors up to 7e19
-        # (bench/matmul_sweep.py, 2026-11-30), as if the split epilogue's partial stores
+        # (bench/matmul_sweep.py on the H200), as if the split epilogue's partial stores
         # and counter raced the specialized loop. Pipelined, they are correct.
         acc = _tiles.desc_mainloop(a, b, off_m, off_n, k_lo, k_hi, BLOCK_SIZE_M, BLOCK_SIZE_N,
                                    BLOCK_SIZE_K, A_T, B_T, UPCAST, WARP_SPECIALIZE and SPLIT_K == 1,

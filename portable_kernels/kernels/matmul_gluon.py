@@ -53,7 +53,7 @@ from ._tiles import grouped_tile
 BLOCK_M = 128
 #: Output columns per tile and the K depth of one step. 128×256 tiles with 64-deep steps
 #: are cuBLAS's own tile for large 16-bit products on sm_90. Timed in alternation on the
-#: H200 (2026-11-30, ``bench/matmul_gluon_ab.py``): 32-deep steps with 6 buffers 1-5%
+#: H200 (triton 3.6, ``bench/matmul_gluon_ab.py``): 32-deep steps with 6 buffers 1-5%
 #: slower, 128×128 tiles with 6 buffers 3-7% slower.
 BLOCK_N = 256
 BLOCK_K = 64
@@ -72,7 +72,7 @@ PRODUCER_REGS = 24
 #: there (128×14336×14336, 56 tiles: 0.72x cuBLAS here, 0.91x that kernel's). At 128
 #: tiles (2048³, 1024×4096×4096) this kernel's time varied up to 2x from run to run, also
 #: with direct launches (0.45-0.97x cuBLAS at 2048³, where the Triton kernel held 0.73-0.78x;
-#: H200, 2026-11-30, ``bench/variants_ab.py``).
+#: H200, triton 3.6, ``bench/variants_ab.py``).
 MIN_TILES = 132
 #: Operand dtypes (sm_90's fp8 MMAs read only K-major operands and need their accumulation
 #: promoted; the Triton kernel does both).
