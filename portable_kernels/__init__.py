@@ -27,6 +27,8 @@ from .dispatch import (
     use_variant,
 )
 from .errors import (
+    ArgumentError,
+    ConfigurationError,
     DeviceError,
     DTypeError,
     InputError,
@@ -43,7 +45,9 @@ from .testing import ExpectedFailure
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "CAPABILITIES",
+    "ConfigurationError",
     "DTypeError",
     "DeviceError",
     "DeviceInfo",

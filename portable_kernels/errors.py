@@ -27,9 +27,18 @@ class PluginError(PortableKernelsError, RuntimeError):
     """A plugin misbehaved (raised while loading or in a hook); it was skipped."""
 
 
+class ConfigurationError(PortableKernelsError, ValueError):
+    """A ``PK_*`` environment variable names something that does not exist."""
+
+
 class InputError(PortableKernelsError, ValueError):
     """An argument has the wrong shape, device, stride or value."""
 
 
 class DTypeError(PortableKernelsError, TypeError):
-    """An argument has a dtype the kernel does not take."""
+    """An argument has a dtype the kernel does not take (or is not a tensor)."""
+
+
+class ArgumentError(PortableKernelsError, TypeError):
+    """A call does not match the kernel's signature (a missing or unknown argument), or a
+    non-tensor argument has the wrong type (``causal="no"``, ``dim="1"``)."""

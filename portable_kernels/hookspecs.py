@@ -13,7 +13,8 @@ registers modules by import name (with or without autoload).
 
 A hook implementation may take any subset of a hook's parameters, by name. A plugin that
 raises while loading or inside a hook (other than a :class:`PortableKernelsError` it raises
-on purpose about the user's input) is recorded, skipped from then on, and shown by
+on purpose about the user's input), or whose hook answers something other than what the
+hook's ``:return:`` says, is recorded, skipped from then on, and shown by
 ``portable-kernels info``; it never breaks the other plugins.
 
 Hooks are called in this order: once per process ``pk_runtime_setup``, then

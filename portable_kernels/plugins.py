@@ -5,8 +5,10 @@ registry, detected devices, emulation profiles, and the selection caches. It is 
 first use, never at import, so importing the library probes no hardware.
 
 Hooks are called one implementation at a time (in pluggy's order) rather than through
-pluggy's own hook caller, so that one plugin raising is recorded and skipped instead of
-aborting the call for everyone.
+pluggy's own hook caller, so that one plugin raising, or answering something of the wrong
+type, is recorded and skipped instead of aborting the call for everyone. A variant's own
+callbacks (``priority``, ``accepts``) get the same isolation through
+:meth:`PluginHost.variant_callback`: the variant is set aside, its plugin kept.
 """
 from __future__ import annotations
 
@@ -14,20 +16,22 @@ import dataclasses
 import importlib
 import logging
 import os
+import reprlib
 import threading
 import traceback
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import pluggy
 import torch
 
 from . import hookspecs
 from .device import DeviceInfo
-from .errors import DeviceError, PluginError, PortableKernelsError
-from .registry import Registry, UndeclaredKernelError
+from .errors import ConfigurationError, DeviceError, PluginError, PortableKernelsError
+from .registry import Registry, UndeclaredKernelError, Variant
 
-__all__ = ["PluginHost", "PluginFailure", "host", "install_host", "reset"]
+__all__ = ["PluginHost", "PluginFailure", "VariantSetAside", "host", "install_host", "reset"]
 
 ENTRY_POINT_GROUP = "portable_kernels"
 _log = logging.getLogger("portable_kernels")
@@ -41,7 +45,8 @@ _CATALOG = "portable_kernels.catalog"
 
 @dataclasses.dataclass(frozen=True)
 class PluginFailure:
-    """A plugin that raised: where (``"load"`` or a hook name), what, and the traceback."""
+    """A plugin that failed: where (``"load"``, a hook name, or ``"<kernel>/<variant>
+    <callback>"`` for a variant's own callback), what, and the traceback."""
 
     plugin: str
     stage: str
@@ -50,6 +55,67 @@ class PluginFailure:
 
     def to_dict(self) -> dict:
         return {"plugin": self.plugin, "stage": self.stage, "error": self.error}
+
+
+class VariantSetAside(Exception):
+    """A variant's callback failed, so selection must go on without it; the message says
+    why, in the words a rejected variant's reason uses."""
+
+
+def _kind(value: Any) -> str:
+    return f"{type(value).__name__} ({reprlib.repr(value)})"
+
+
+def _device_info(answer: Any) -> str | None:
+    if not isinstance(answer, DeviceInfo):
+        return f"returned {_kind(answer)}; it should return a DeviceInfo or None"
+    return None
+
+
+def _configs(answer: Any) -> str | None:
+    import triton  # here: importing the core must not import triton before _interpreter
+
+    should = "it should return a list of triton.Config or None"
+    if not isinstance(answer, (list, tuple)):
+        return f"returned {_kind(answer)}; {should}"
+    bad = next((c for c in answer if not isinstance(c, triton.Config)), None)
+    return None if bad is None else f"returned a list holding {_kind(bad)}; {should}"
+
+
+def _switches(answer: Any) -> str | None:
+    if not isinstance(answer, Mapping):
+        return f"returned {_kind(answer)}; it should return a dict of constexpr names to values, or None"
+    bad = next((k for k in answer if not isinstance(k, str)), None)
+    if bad is not None:
+        return f"returned a dict with the key {_kind(bad)}; its keys must be constexpr names (str)"
+    return None
+
+
+def _expected_failures(answer: Any) -> str | None:
+    # The entries themselves are checked by the conformance suite, which reports them.
+    if not isinstance(answer, (list, tuple)):
+        return f"returned {_kind(answer)}; it should return a list of ExpectedFailure or None"
+    return None
+
+
+def _profiles(answer: Any) -> str | None:
+    if not isinstance(answer, Mapping):
+        return f"returned {_kind(answer)}; it should return a dict of profile names to DeviceInfo, or None"
+    for name, info in answer.items():
+        if not isinstance(name, str) or not isinstance(info, DeviceInfo):
+            return f"returned profile {name!r} as {_kind(info)}; profiles must be str names of DeviceInfo"
+    return None
+
+
+#: hook name -> check of a non-None answer (a message saying what is wrong, or None). A bad
+#: answer would otherwise fail later, far from the plugin, in every kernel that meets it.
+VALIDATORS: dict[str, Callable[[Any], str | None]] = {
+    "pk_detect_device": _device_info,
+    "pk_tuning_configs": _configs,
+    "pk_variant_switches": _switches,
+    "pk_expected_failures": _expected_failures,
+    "pk_emulation_profiles": _profiles,
+}
 
 
 def _truthy(name: str) -> bool:
@@ -62,7 +128,7 @@ def parse_variant_env(value: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in value.split(","))):
         kernel, sep, variant = item.partition("=")
         if not sep or not kernel.strip() or not variant.strip():
-            raise ValueError(
+            raise ConfigurationError(
                 f"PK_VARIANT entry {item!r} is not 'kernel=variant' "
                 "(e.g. PK_VARIANT='softmax=generic,matmul=nvidia.hopper')"
             )
@@ -127,10 +193,27 @@ class PluginHost:
         RUNTIME_READY = True
         self.registry = self._build_registry()
         self.profiles = self._collect_profiles()
+        self._check_environment()
+
+    def _check_environment(self) -> None:
+        # Here rather than at the first call, so that every entry point (a call, explain,
+        # `portable-kernels info`) reports the mistake, and reports it the same way.
+        failed = "; ".join(f"{f.plugin} ({f.stage}: {f.error})" for f in self.failures)
+        failed = f"; failed plugins: {failed}" if failed else ""
         if self.env_emulation and self.env_emulation not in self.profiles:
-            self._record("PK_EMULATE", "environment", ValueError(
-                f"PK_EMULATE={self.env_emulation!r} is not a known profile; "
-                f"known: {', '.join(sorted(self.profiles)) or 'none'}"), keep=True)
+            raise ConfigurationError(
+                f"PK_EMULATE={self.env_emulation!r} is not a known emulation profile; "
+                f"known profiles: {', '.join(sorted(self.profiles)) or 'none'}{failed}")
+        for kernel, variant in self.env_forced.items():
+            if kernel not in self.registry.kernels:
+                raise ConfigurationError(
+                    f"PK_VARIANT entry '{kernel}={variant}' names unknown kernel {kernel!r}; "
+                    f"known kernels: {', '.join(sorted(self.registry.kernels)) or 'none'}{failed}")
+            registered = self.registry.variants[kernel]
+            if variant not in registered:
+                raise ConfigurationError(
+                    f"PK_VARIANT entry '{kernel}={variant}': kernel {kernel!r} has no variant "
+                    f"{variant!r}; registered: {', '.join(sorted(registered)) or 'none'}{failed}")
 
     # Loading ---------------------------------------------------------------------------
 
@@ -175,12 +258,15 @@ class PluginHost:
                 continue
             self._register(plugin, ep.name, source)
 
-    def _record(self, plugin: str, stage: str, exc: BaseException, keep: bool = False) -> None:
+    def _note(self, plugin: str, stage: str, exc: BaseException, outcome: str) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.failures.append(PluginFailure(plugin, stage, f"{type(exc).__name__}: {exc}", tb))
         # Also logged: a plugin that silently vanished would otherwise only show in `info`.
-        _log.warning("portable-kernels plugin %s failed in %s and is %s: %s: %s", plugin, stage,
-                     "kept" if keep else "skipped", type(exc).__name__, exc)
+        _log.warning("portable-kernels plugin %s failed in %s and %s: %s: %s", plugin, stage,
+                     outcome, type(exc).__name__, exc)
+
+    def _record(self, plugin: str, stage: str, exc: BaseException, keep: bool = False) -> None:
+        self._note(plugin, stage, exc, "is kept" if keep else "is skipped")
         if keep:
             return
         self._failed.add(plugin)
@@ -200,15 +286,10 @@ class PluginHost:
         # pluggy calls implementations last-registered-first, tryfirst before trylast.
         return reversed(getattr(self.pm.hook, hook).get_hookimpls())
 
-    def call(self, hook: str, firstresult: bool = False, **kwargs: Any) -> Any:
-        """Call ``hook`` on each plugin in turn, isolating failures.
-
-        With ``firstresult`` the first non-``None`` answer is returned (else ``None``);
-        otherwise the list of non-``None`` answers. A :class:`PortableKernelsError` raised
-        by a plugin is about the user's input and propagates; anything else marks the
-        plugin failed and the call goes on without it.
-        """
-        results = []
+    def _answers(self, hook: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        """(plugin name, answer) for each plugin's non-``None`` answer to ``hook``, asked
+        lazily in pluggy's order; see :meth:`call`."""
+        check = VALIDATORS.get(hook)
         for impl in list(self._impls(hook)):
             if impl.plugin_name in self._failed:
                 continue
@@ -221,10 +302,69 @@ class PluginHost:
                 continue
             if result is None:
                 continue
-            if firstresult:
-                return result
-            results.append(result)
-        return None if firstresult else results
+            wrong = check(result) if check is not None else None
+            if wrong is not None:
+                self._record(impl.plugin_name, hook, PluginError(f"{hook} {wrong}"))
+                continue
+            yield impl.plugin_name, result
+
+    def call(self, hook: str, firstresult: bool = False, **kwargs: Any) -> Any:
+        """Call ``hook`` on each plugin in turn, isolating failures.
+
+        With ``firstresult`` the first non-``None`` answer is returned (else ``None``);
+        otherwise the list of non-``None`` answers. A :class:`PortableKernelsError` raised
+        by a plugin is about the user's input and propagates; anything else, or an answer
+        of the wrong type (see :data:`VALIDATORS`), marks the plugin failed and the call
+        goes on without it.
+        """
+        answers = (result for _, result in self._answers(hook, **kwargs))
+        if firstresult:
+            return next(answers, None)
+        return list(answers)
+
+    def variant_callback(self, variant: Variant, callback: str, *args: Any) -> Any:
+        """``variant``'s ``priority`` or ``configs`` (on ``args = (device,)``) or ``accepts``
+        (on ``args = (problem, device)``), isolated as hooks are.
+
+        A :class:`PortableKernelsError` from ``accepts`` is about the user's input and
+        propagates. Anything else ``accepts`` raises, anything ``priority`` raises (it sees
+        only the device, so no error of its is the user's), or an answer of the wrong type
+        sets the variant aside: it leaves the registry (and the caches), the failure is
+        recorded against its plugin, which keeps its other variants, and
+        :class:`VariantSetAside` tells the caller to go on without it.
+        """
+        if callback not in ("priority", "accepts", "configs"):
+            raise ValueError(f"unknown variant callback {callback!r}")
+        call = {"priority": variant.priority_on, "accepts": variant.accepts,
+                "configs": variant.configs}[callback]
+        try:
+            result = call(*args)
+        except Exception as exc:
+            if callback == "accepts" and isinstance(exc, PortableKernelsError):
+                raise
+            raise self._set_aside(variant, callback, exc, f"its {callback} raised "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        if callback == "accepts" and not (result is None or isinstance(result, str)):
+            wrong = (f"accepts returned {_kind(result)}; it should return None or a str "
+                     "saying why the variant cannot take the problem")
+            raise self._set_aside(variant, callback, PluginError(wrong), f"its {wrong}")
+        if callback == "configs" and result is not None:
+            wrong = _configs(result)
+            if wrong:
+                wrong = f"configs {wrong}"
+                raise self._set_aside(variant, callback, PluginError(wrong), f"its {wrong}")
+        return result
+
+    def _set_aside(self, variant: Variant, callback: str, exc: Exception, why: str) -> VariantSetAside:
+        with self._lock:
+            variants = self.registry.variants.get(variant.kernel, {})
+            # Another thread may have set it aside already: record and log it once.
+            if variants.get(variant.name) is variant:
+                del variants[variant.name]
+                self._note(variant.plugin, f"{variant.kernel}/{variant.name} {callback}", exc,
+                           "the variant is set aside")
+                self.clear_caches()
+        return VariantSetAside(f"set aside: {why}")
 
     def _build_registry(self) -> Registry:
         registry = Registry()
@@ -255,25 +395,14 @@ class PluginHost:
 
     def _collect_profiles(self) -> dict[str, DeviceInfo]:
         profiles: dict[str, DeviceInfo] = {}
-        for impl in list(self._impls("pk_emulation_profiles")):
-            if impl.plugin_name in self._failed:
-                continue
-            try:
-                answer = impl.function() or {}
-                for name, info in answer.items():
-                    if not isinstance(info, DeviceInfo):
-                        raise TypeError(f"profile {name!r} is a {type(info).__name__}, not DeviceInfo")
-            except Exception as exc:
-                self._record(impl.plugin_name, "pk_emulation_profiles", exc)
-                continue
+        for plugin, answer in self._answers("pk_emulation_profiles"):
             for name, info in answer.items():
                 key = name.lower()
                 if key in profiles:
-                    self._record(impl.plugin_name, "pk_emulation_profiles", ValueError(
+                    self._record(plugin, "pk_emulation_profiles", ValueError(
                         f"profile {key!r} is already defined by {profiles[key].backend}"), keep=True)
                     continue
-                profiles[key] = dataclasses.replace(
-                    info, emulated=key, backend=info.backend or impl.plugin_name)
+                profiles[key] = dataclasses.replace(info, emulated=key, backend=info.backend or plugin)
         return profiles
 
     # Devices -----------------------------------------------------------------------------
@@ -297,8 +426,6 @@ class PluginHost:
                     + (f"; failed plugins: {failed}" if failed else "")
                     + ("" if self.autoload else " (PK_DISABLE_PLUGIN_AUTOLOAD is set)")
                 )
-            if not isinstance(info, DeviceInfo):
-                raise PluginError(f"pk_detect_device returned {type(info).__name__}, not DeviceInfo")
             self._devices[device] = info
             return info
 

@@ -8,6 +8,7 @@ add both to a :class:`Registry` from their ``pk_register_variants`` hook.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple
@@ -75,7 +76,11 @@ class Variant:
         priority: preference among runnable variants, an int or a function of the
             ``DeviceInfo`` (so a variant can rank first on its own hardware yet run anywhere).
         accepts: ``accepts(problem, device) -> str | None``: ``None`` when the variant
-            can take the problem, else the reason it cannot (shown by ``explain``).
+            can take the problem, else the reason it cannot (shown by ``explain``). It may
+            raise a ``PortableKernelsError`` about the user's input, which reaches the caller.
+            A ``priority`` or ``accepts`` that raises anything else, or answers the wrong
+            type, sets the variant aside (recorded as its plugin's failure) and selection
+            goes on with the others.
         switches: the constexpr switches this variant sets on the family's kernels.
         configs: ``configs(device) -> list[triton.Config]``: default configs; a backend's
             ``pk_tuning_configs`` answer for the device overrides them.
@@ -109,8 +114,15 @@ class Variant:
             raise TypeError(f"variant {self.kernel}/{self.name}: priority must be int or callable")
 
     def priority_on(self, device: DeviceInfo) -> int:
-        """This variant's priority on ``device``."""
-        return int(self.priority(device)) if callable(self.priority) else self.priority
+        """This variant's priority on ``device``. Selection calls it through
+        ``PluginHost.variant_callback``, which sets the variant aside if it raises."""
+        if not callable(self.priority):
+            return self.priority
+        value = self.priority(device)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"priority of variant {self.kernel}/{self.name} returned "
+                            f"{type(value).__name__} ({value!r}); it should return an int")
+        return int(value)
 
     def missing(self, device: DeviceInfo) -> frozenset[str]:
         """The required capabilities ``device`` lacks."""

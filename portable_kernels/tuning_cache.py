@@ -6,10 +6,15 @@ device fingerprint under ``$PK_CACHE_DIR`` (default ``~/.cache/portable_kernels`
 ``kernel/variant/triton-function`` and the autotune key to the chosen config. A new process
 pre-fills each autotuner from it and so skips benchmarking; ``portable-kernels tune``
 fills it ahead of time. ``PK_TUNING_CACHE=0`` turns it off.
+
+A file that cannot be read, or holds something other than ``{entry: {key: config}}``, costs
+only its results: what is malformed is ignored (and logged once) and tuning runs again.
+Processes storing at once take a lock on a sibling ``.lock`` file where ``fcntl`` exists.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import logging
 import os
@@ -23,9 +28,23 @@ from triton.runtime.autotuner import Autotuner
 
 from ._autotuner import PlanAutotuner
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: stores are still atomic, but concurrent ones may lose a key
+    fcntl = None
+
 __all__ = ["cache_dir", "enabled", "path_for", "attach"]
 
 _LOCK = threading.Lock()
+_log = logging.getLogger("portable_kernels")
+#: (what, path) pairs already logged: a broken file is met by every autotuner and store.
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _warn_once(what: str, path: Path, message: str, *args: Any) -> None:
+    if (what, str(path)) not in _LOGGED:
+        _LOGGED.add((what, str(path)))
+        _log.warning(message, *args)
 
 
 def enabled() -> bool:
@@ -55,25 +74,65 @@ def config_id(config: Any) -> str:
     return json.dumps(fields, sort_keys=True)
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path) -> dict[str, dict[str, str]]:
+    """The file's entries, each ``{key text: config id}``; whatever is not shaped so is
+    left out."""
     try:
         with open(path) as f:
             data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        _warn_once("read", path, "ignoring the tuning cache %s, which cannot be read: %s", path, exc)
+        return {}
+    if not isinstance(data, dict):
+        _warn_once("shape", path, "ignoring the tuning cache %s: it holds a JSON %s, not an object",
+                   path, type(data).__name__)
+        return {}
+    entries: dict[str, dict[str, str]] = {}
+    malformed = 0
+    for entry, results in data.items():
+        if not isinstance(results, dict):
+            malformed += 1
+            continue
+        entries[entry] = {k: v for k, v in results.items() if isinstance(v, str)}
+        malformed += len(results) - len(entries[entry])
+    if malformed:
+        _warn_once("shape", path, "ignoring %d malformed entries of the tuning cache %s", malformed, path)
+    return entries
+
+
+@contextlib.contextmanager
+def _interprocess_lock(path: Path):
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _write(path: Path, entry: str, results: dict[str, str]) -> None:
     """Merge ``results`` into ``entry`` of the file (other processes may have added more)."""
     with _LOCK:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read(path)
-        data.setdefault(entry, {}).update(results)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        # Without it, two processes that read the same file each replace it with their
+        # own merge, and the first one's keys are lost.
+        with _interprocess_lock(path):
+            data = _read(path)
+            data.setdefault(entry, {}).update(results)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
 
 
 def attach(tuner: Any, fingerprint: str, entry: str) -> Any:
@@ -89,15 +148,15 @@ def attach(tuner: Any, fingerprint: str, entry: str) -> Any:
             continue  # the configs changed since: tune again
         try:
             tuner.cache[ast.literal_eval(key_text)] = config
-        except (ValueError, SyntaxError):
-            continue
+        except (ValueError, SyntaxError, TypeError):
+            continue  # not a key this library wrote (TypeError: unhashable)
 
     def store(t: Autotuner) -> None:
         try:
             _write(path, entry, {repr(k): config_id(c) for k, c in t.cache.items()})
         except OSError as exc:
             # A read-only home: tuning still works, it is just not remembered.
-            logging.getLogger("portable_kernels").warning("cannot store tuning results in %s: %s", path, exc)
+            _warn_once("store", path, "cannot store tuning results in %s: %s", path, exc)
 
     if not isinstance(tuner, PlanAutotuner):
         tuner.__class__ = PlanAutotuner

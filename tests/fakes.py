@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
 
 from portable_kernels import DeviceInfo, KernelSpec, Variant, hookimpl
 
@@ -24,6 +25,11 @@ def probe_problem(x):
 
 def launcher(plan, x):
     return plan.variant.name, plan.switches, plan.configs
+
+
+def fake_config(variant_name: str) -> triton.Config:
+    """The config FakeBackend's ``pk_tuning_configs`` gives ``variant_name``."""
+    return triton.Config({"FAKE_CONFIG_FOR": variant_name})
 
 
 FAKE_CAPS = frozenset({"mma", "bf16", "atomics"})
@@ -64,7 +70,7 @@ class FakeBackend:
 
     @hookimpl
     def pk_tuning_configs(self, kernel, variant, device):
-        return ["cfg-for-" + variant.name]
+        return [fake_config(variant.name)]
 
 
 def meta(n=16, dtype=torch.float32):

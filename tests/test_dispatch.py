@@ -14,7 +14,7 @@ import portable_kernels as pk
 from portable_kernels import KernelSpec, Variant, hookimpl, plugins
 from portable_kernels.errors import DeviceError, NoVariantError, VariantUnavailableError
 
-from fakes import FAKE_CAPS, FakeBackend, fake_device, launcher, meta, probe_problem
+from fakes import FAKE_CAPS, FakeBackend, fake_config, fake_device, launcher, meta, probe_problem
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_highest_priority_runnable_variant_wins(fake):
     name, switches, configs = pk.get_kernel("probe")(meta(16))
     assert name == "fake.fast"
     assert switches == {"FAST": True}
-    assert configs == ["cfg-for-fake.fast"]
+    assert configs == [fake_config("fake.fast")]
 
 
 def test_problem_predicate_rejects_and_falls_back(fake):
@@ -100,9 +100,8 @@ def test_pk_variant_environment(monkeypatch, fresh_host):
 
 def test_pk_variant_naming_an_unregistered_variant(monkeypatch, fresh_host):
     monkeypatch.setenv("PK_VARIANT", "probe=fake.nothere")
-    fresh_host(FakeBackend(), autoload=False, catalog=False)
-    with pytest.raises(VariantUnavailableError, match="not registered"):
-        pk.get_kernel("probe")(meta(16))
+    with pytest.raises(pk.ConfigurationError, match="PK_VARIANT.*'fake.nothere'.*registered: fake.fast"):
+        fresh_host(FakeBackend(), autoload=False, catalog=False)
 
 
 def test_malformed_pk_variant(monkeypatch, fresh_host):

@@ -9,10 +9,10 @@ import types
 import pytest
 
 import portable_kernels as pk
-from portable_kernels import KernelSpec, Variant, hookimpl
+from portable_kernels import KernelSpec, Variant, cli, hookimpl
 from portable_kernels.errors import DeviceError
 
-from fakes import FakeBackend, launcher, meta, probe_problem
+from fakes import FakeBackend, fake_config, launcher, meta, probe_problem
 
 
 class RaisesOnRegister:
@@ -61,7 +61,7 @@ def test_plugin_raising_in_detect_is_skipped(fresh_host):
 
 def test_plugin_raising_in_tuning_is_skipped(fresh_host):
     host = fresh_host(FakeBackend(), RaisesOnTuning(), autoload=False, catalog=False)
-    assert pk.get_kernel("probe")(meta(16))[2] == ["cfg-for-fake.fast"]
+    assert pk.get_kernel("probe")(meta(16))[2] == [fake_config("fake.fast")]
     assert ("RaisesOnTuning", "pk_tuning_configs") in _failures(host)
 
 
@@ -180,3 +180,35 @@ def test_plugin_importing_kernel_modules_at_load_time(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "eager.copy" in proc.stdout
+
+
+@pytest.mark.parametrize("value, words", [
+    ("prob=generic", ("PK_VARIANT", "unknown kernel 'prob'", "known kernels: probe")),
+    ("probe=fake.fsat", ("PK_VARIANT", "'fake.fsat'", "registered: fake.fast, fake.tma, generic")),
+])
+def test_pk_variant_naming_nothing_fails_when_the_host_is_built(monkeypatch, fresh_host, value, words):
+    monkeypatch.setenv("PK_VARIANT", value)
+    with pytest.raises(pk.ConfigurationError) as info:
+        fresh_host(FakeBackend(), autoload=False, catalog=False)
+    assert isinstance(info.value, ValueError)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_pk_variant_mistake_names_the_failed_plugin_that_might_have_registered_it(monkeypatch, fresh_host):
+    # The variant may be missing only because its plugin broke; say so.
+    monkeypatch.setenv("PK_VARIANT", "probe=broken.half")
+    with pytest.raises(pk.ConfigurationError, match="failed plugins: RaisesOnRegister"):
+        fresh_host(FakeBackend(), RaisesOnRegister(), autoload=False, catalog=False)
+
+
+@pytest.mark.parametrize("value", ["softmx=generic", "softmax=generc"])
+def test_pk_variant_mistakes_reach_every_entry_point(monkeypatch, fresh_host, capsys, value):
+    monkeypatch.setenv("PK_VARIANT", value)
+    with pytest.raises(pk.ConfigurationError, match="PK_VARIANT"):
+        pk.get_kernel("vector_add")
+    with pytest.raises(pk.ConfigurationError, match="PK_VARIANT"):
+        pk.explain("vector_add", device="cpu")
+    assert cli.main(["info", "--device", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: PK_VARIANT") and err.count("\n") == 1

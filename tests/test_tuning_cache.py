@@ -1,7 +1,10 @@
 """Autotuning results persist per device fingerprint, and `portable-kernels tune` fills them."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -151,3 +154,50 @@ def test_run_tuned_launches_the_chosen_config_directly(cache_dir, device):
     assert (len(calls), len(autotuner_runs)) == (2, 1)  # no autotuner on the fast path
     launch(3000)  # a new problem key goes through the autotuner again
     assert len(autotuner_runs) == 2
+
+
+def test_malformed_entries_are_left_out_and_logged_once(cache_dir, caplog):
+    path = tuning_cache.path_for("malformed")
+    path.write_text(json.dumps({"a/generic/_k": [], "b/generic/_k": {"(1,)": 5, "(2,)": "config"}}))
+    with caplog.at_level("WARNING", logger="portable_kernels"):
+        assert tuning_cache._read(path) == {"b/generic/_k": {"(2,)": "config"}}
+        assert tuning_cache._read(path) == {"b/generic/_k": {"(2,)": "config"}}
+    assert caplog.text.count("malformed entries") == 1
+
+
+def test_a_failed_replace_leaves_no_temporary_file(cache_dir, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError("injected: replace refused")
+
+    monkeypatch.setattr(tuning_cache.os, "replace", refuse)
+    with pytest.raises(PermissionError):
+        tuning_cache._write(tuning_cache.path_for("refused"), "e", {"(1,)": "config"})
+    assert not [p for p in cache_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fcntl") is None, reason="no fcntl: stores take no lock")
+def test_a_store_waits_for_the_lock_another_process_holds(cache_dir):
+    import fcntl
+
+    path = tuning_cache.path_for("locked")
+    # A separate open file description conflicts with the store's, as another process's does.
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        store = threading.Thread(target=tuning_cache._write, args=(path, "e", {"(1,)": "config"}))
+        store.start()
+        store.join(0.3)
+        assert store.is_alive() and not path.exists()
+    finally:
+        os.close(fd)
+    store.join(30)
+    assert tuning_cache._read(path) == {"e": {"(1,)": "config"}}
+
+
+def test_without_fcntl_stores_still_merge(cache_dir, monkeypatch):
+    monkeypatch.setattr(tuning_cache, "fcntl", None)
+    path = tuning_cache.path_for("no fcntl")
+    tuning_cache._write(path, "e", {"(1,)": "a"})
+    tuning_cache._write(path, "e", {"(2,)": "b"})
+    assert tuning_cache._read(path) == {"e": {"(1,)": "a", "(2,)": "b"}}
+    assert not os.path.exists(f"{path}.lock")

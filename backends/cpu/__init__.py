@@ -45,6 +45,15 @@ def pk_detect_device(device):
     late = _interpreter.late_reason()
     if late:
         raise DeviceError(f"cannot run kernels on the CPU: {late}")
+    if not _interpreter.active() and _interpreter.TRITON_FIRST and not _interpreter._gpu_usable():
+        # Setting PK_INTERPRET now would not help (the choice was made at `import triton`),
+        # so say what does, first.
+        raise DeviceError(
+            "cannot run kernels on the CPU: triton was imported before portable_kernels on "
+            "this machine without a GPU, so Triton's own library was compiled and its CPU "
+            "interpreter cannot run; import portable_kernels before anything imports triton "
+            "(or set TRITON_INTERPRET=1 before importing triton)"
+        )
     if not _interpreter.active():
         raise DeviceError(
             "this tensor is on the CPU, but Triton compiles kernels for the GPU in this "
@@ -73,9 +82,14 @@ def pk_tuning_configs(kernel, variant, device):
     if own is not None:
         return [own]
     # A variant we have no tuning for (a plugin's, or one forced here): its first config.
+    # One whose configs fail is not this plugin's failure: answering None leaves the call
+    # to the core, which sets that variant aside.
     if variant.configs is not None:
-        configs = variant.configs(device)
-        return configs[:1] or None
+        try:
+            configs = variant.configs(device)
+        except Exception:
+            return None
+        return list(configs[:1]) or None if isinstance(configs, (list, tuple)) else None
     return None
 
 
