@@ -21,7 +21,7 @@ import triton
 from . import __version__, dispatch, plugins
 from ._table import table
 from .device import CAPABILITIES
-from .errors import PortableKernelsError
+from .errors import DeviceError, PortableKernelsError
 
 
 def _device_arg(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,17 @@ def _json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _kernel_rows(device) -> list[dict]:
+def _device(args: argparse.Namespace) -> torch.device | None:
+    """The ``--device`` argument resolved once (the default included), so that every part
+    of a command describes the same device; ``None`` after printing why it is not one."""
+    try:
+        return dispatch._resolve_device(args.device)
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _kernel_rows(device: torch.device) -> list[dict]:
     rows = []
     for name in dispatch.list_kernels():
         try:
@@ -47,23 +57,41 @@ def _kernel_rows(device) -> list[dict]:
     return rows
 
 
+def _capability_heading(info) -> str:
+    if info.emulated:
+        return f"Capabilities of the emulated {info.emulated!r} profile (selection sees these):"
+    if info.has("interpreter"):
+        # The interpreter executes kernels with numpy: these words are what it emulates in
+        # software, and say nothing of the CPU's own instruction set.
+        return "Capabilities (what Triton's interpreter emulates in software, not features of this CPU):"
+    return "Capabilities (of the hardware, as Triton compiles for it):"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    device = _device(args)
+    if device is None:
+        return 2
     host = plugins.host()
+    try:
+        info = dispatch.device_info(device)
+    except PortableKernelsError as exc:
+        info = None
+        device_error = str(exc)
     out: dict = {
         "version": __version__,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "plugins": [{"name": n, "source": host.sources.get(n, "")} for n in host.plugin_names()],
+        # After detection: a backend that failed there is listed too.
         "failed_plugins": [f.to_dict() for f in host.failures],
         "emulation_profiles": sorted(host.profiles),
     }
-    try:
-        info = dispatch.device_info(args.device)
-    except PortableKernelsError as exc:
-        info = None
-        out["device_error"] = str(exc)
+    if info is None:
+        out["device_error"] = device_error
     out["device"] = info.to_dict() if info else None
-    out["kernels"] = _kernel_rows(args.device) if info else []
+    out["kernels"] = _kernel_rows(device) if info else []
+    # Again: a variant whose priority or accepts failed during selection is listed too.
+    out["failed_plugins"] = [f.to_dict() for f in host.failures]
     if args.json:
         print(json.dumps(out, indent=2))
         return 0 if info else 1
@@ -75,9 +103,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         emu = f" [emulated profile {info.emulated!r}; kernels run on the real device]" if info.emulated else ""
         print(f"Device: {info.name} ({info.vendor} {info.arch}){emu}")
-        print(f"  warp size {info.warp_size} · {info.num_sms} SMs/CUs · "
-              f"shared memory {info.shared_memory} B/program · triton {info.triton_version}")
+        if info.has("interpreter"):
+            # num_sms counts CPU cores here, and the interpreter has no shared memory to size.
+            print(f"  kernels run in Triton's interpreter on {info.num_sms} CPU core(s) · "
+                  f"warp size {info.warp_size} · triton {info.triton_version}")
+        else:
+            print(f"  warp size {info.warp_size} · {info.num_sms} SMs/CUs · "
+                  f"shared memory {info.shared_memory} B/program · triton {info.triton_version}")
         print(f"  fingerprint {info.fingerprint}")
+        print(_capability_heading(info))
         print(table(["capability", "meaning"],
                     [(c, CAPABILITIES.get(c, "")) for c in sorted(info.capabilities)]))
     print()
@@ -86,14 +120,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"Emulation profiles: {', '.join(out['emulation_profiles']) or 'none'}")
     if host.failures:
         print()
-        print("Failed plugins (skipped):")
+        print("Failed plugins (skipped; a failing variant callback sets aside only that variant):")
         print(table(["plugin", "stage", "error"], [(f.plugin, f.stage, f.error) for f in host.failures]))
     if info is not None:
+        # Two tables, each with its long column last (the only one the table truncates),
+        # so that both fit a terminal.
         print()
-        # "why" last: it is the long column, and the table truncates only the last one.
-        print(table(["kernel", "variant", "runnable here", "why"],
-                    [(r["kernel"], r["variant"] or "-", ", ".join(r["runnable"]), r["reason"])
-                     for r in out["kernels"]]))
+        print("Selection (portable-kernels explain KERNEL: why each other variant was passed over):")
+        print(table(["kernel", "variant", "why"],
+                    [(r["kernel"], r["variant"] or "-", r["reason"]) for r in out["kernels"]]))
+        print()
+        print("Runnable here (requirements met), best first:")
+        print(table(["kernel", "variants"],
+                    [(r["kernel"], ", ".join(r["runnable"]) or "none") for r in out["kernels"]]))
     return 0 if info else 1
 
 
@@ -127,8 +166,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    device = _device(args)
+    if device is None:
+        return 2
     try:
-        sel = dispatch.explain(args.kernel, device=args.device)
+        sel = dispatch.explain(args.kernel, device=device)
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from portable_kernels import cli
+import portable_kernels as pk
+from portable_kernels import cli, dispatch
 
 from fakes import FakeBackend
 
@@ -57,6 +59,22 @@ def test_bi150_info_in_a_fresh_process(device):
     assert "tensor_descriptor" not in info["capabilities"]
 
 
+@pytest.mark.parametrize("env, words", [
+    ({"PK_VARIANT": "softmx=generic"}, ("PK_VARIANT", "'softmx'", "known kernels: ", "softmax")),
+    ({"PK_VARIANT": "softmax=generc"}, ("PK_VARIANT", "'generc'", "generic")),
+    ({"PK_EMULATE": "bogus"}, ("PK_EMULATE", "'bogus'", "h100")),
+])
+def test_info_with_a_mistaken_pk_variable_prints_one_error_line(env, words):
+    env = {**os.environ, "PK_VARIANT": "", "PK_EMULATE": "", **env}
+    proc = subprocess.run([sys.executable, "-m", "portable_kernels.cli", "info"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()  # no traceback, no plugin-failure warning first
+    assert line.startswith("error: ")
+    for word in words:
+        assert word in line
+
+
 def test_console_script_is_installed():
     proc = subprocess.run(["portable-kernels", "--version"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "portable-kernels" in proc.stdout
@@ -103,3 +121,106 @@ def test_emulated_explain(capsys, monkeypatch, fresh_host, device, profile, expe
     fresh_host()
     code, out, _ = run_cli(capsys, "explain", "softmax", "--device", str(device), "--json")
     assert code == 0 and json.loads(out)["device"]["vendor"] == expected
+
+
+# --- the default device and bad devices -------------------------------------------------------
+
+def test_info_without_device_agrees_with_explain(capsys, fresh_host):
+    """Every column of `info` describes the device `info` describes, also by default."""
+    fresh_host()
+    default = dispatch._resolve_device(None)
+    code, out, _ = run_cli(capsys, "info", "--json")
+    assert code == 0
+    rows = {r["kernel"]: r for r in json.loads(out)["kernels"]}
+    for name in pk.list_kernels():
+        sel = pk.explain(name, device=default)
+        runnable = {v.name for v in sel.verdicts if v.runnable}
+        assert rows[name]["variant"] == sel.variant
+        assert rows[name]["runnable"] == pk.list_variants(name, default)
+        assert set(rows[name]["runnable"]) == runnable, name
+
+
+def test_info_tables_fit_100_columns(capsys, monkeypatch, fresh_host, device):
+    monkeypatch.setenv("COLUMNS", "100")
+    fresh_host()
+    code, out, _ = run_cli(capsys, "info", "--device", str(device))
+    assert code == 0
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, wide
+
+
+def test_info_says_what_the_interpreter_emulates(capsys, fresh_host, device):
+    fresh_host()
+    if not pk.device_info(device).has("interpreter"):
+        pytest.skip("the device under test is not Triton's interpreter")
+    code, out, _ = run_cli(capsys, "info", "--device", str(device))
+    assert code == 0
+    heading = next(line for line in out.splitlines() if line.startswith("Capabilities"))
+    assert "Triton's interpreter emulates in software" in heading and "not features of" in heading
+    assert "SMs" not in out.split("Capabilities")[0]  # CPU cores are not streaming multiprocessors
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """torch as it is on a machine without a CUDA device, whatever this machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+BAD_DEVICES = {
+    "gpu": "device 'gpu': not a torch device",
+    "cuda": "device 'cuda': torch sees no CUDA device on this machine (torch.cuda.is_available() is False)",
+    "cuda:0": "device 'cuda:0': torch sees no CUDA device",
+    "opengl": "device 'opengl': torch has no torch.opengl module",
+}
+BAD_COMMANDS = {
+    "info": ("info",),
+    "info --json": ("info", "--json"),
+    "explain": ("explain", "softmax"),
+    "tune": ("tune", "vector_add", "--shapes", "1000", "--dtypes", "fp32"),
+    "conformance": ("conformance", "--kernels", "vector_add", "--quick"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(BAD_COMMANDS))
+@pytest.mark.parametrize("bad", sorted(BAD_DEVICES))
+def test_bad_device_is_one_error_line(capsys, fresh_host, no_cuda, command, bad):
+    host = fresh_host()
+    code, out, err = run_cli(capsys, *BAD_COMMANDS[command], "--device", bad)
+    assert code == 2, (out, err)
+    assert err.startswith(f"error: {BAD_DEVICES[bad]}") and err.count("\n") == 1, err
+    assert "devices here: cpu" in err and "Traceback" not in err
+    assert not out
+    # No detection hook ran on the bad device, so no backend was recorded as failed.
+    assert not host.failures and {"nvidia", "iluvatar"} <= set(host.plugin_names())
+
+
+def test_device_index_past_the_count(capsys, monkeypatch, fresh_host):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    fresh_host()
+    code, _, err = run_cli(capsys, "explain", "softmax", "--device", "cuda:2")
+    assert code == 2
+    assert err.startswith("error: device 'cuda:2': index 2 is out of range: torch sees 2 CUDA devices")
+    assert "devices here: cpu, cuda:0, cuda:1" in err
+
+
+def test_tune_reports_only_what_it_stored(capsys, monkeypatch, tmp_path, fresh_host, device):
+    """The interpreter has one config per kernel: nothing is tuned, so nothing is stored,
+    and tune must not name a file it never wrote."""
+    monkeypatch.setenv("PK_CACHE_DIR", str(tmp_path))
+    fresh_host()
+    code, out, _ = run_cli(capsys, "tune", "vector_add", "--shapes", "1000", "--dtypes", "fp32",
+                           "--device", str(device))
+    assert code == 0
+    stored = list(tmp_path.glob("tuning-*.json"))
+    if stored:
+        assert f"tuning results: {stored[0]}" in out
+    else:
+        assert not list(tmp_path.iterdir())
+        assert "tuning results:" not in out and str(tmp_path) not in out
+        assert "nothing was tuned (one config per kernel on this device); no results were stored" in out
+    code, out, _ = run_cli(capsys, "tune", "vector_add", "--shapes", "1000", "--dtypes", "fp32",
+                           "--device", str(device), "--json")
+    # Nothing new to store the second time: either nothing is tuned, or it is stored already.
+    assert code == 0 and json.loads(out)["stored_in"] is None

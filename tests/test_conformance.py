@@ -7,6 +7,7 @@ from an inline fake plugin loaded through ``PK_PLUGINS``.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import io
 import json
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,6 +287,41 @@ def test_report_merge_and_show_commands(fake_run, tmp_path, capsys):
     assert "bad.json: format is None" in capsys.readouterr().err
 
 
+def test_report_merge_says_what_it_combined(fake_run, tmp_path, capsys):
+    """Reports keyed by one fingerprint share a column: the command says so on stderr,
+    naming the files, so that `merge A.json A.json` does not look like a one-device run."""
+    _, rep, _ = fake_run
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(rep))
+    b.write_text(json.dumps(other_device(rep)))
+    c.write_text(json.dumps(dict(rep, created="2000-01-01T00:00:00Z")))
+    assert cli.main(["report", "merge", str(a), str(b), str(a)]) == 0
+    out, err = capsys.readouterr()
+    assert "[1]" in out and "[2]" in out and "[3]" not in out
+    assert err == (f"warning: {a} is given more than once: the repeat was dropped "
+                   f"(device {rep['fingerprint']})\n")
+    assert cli.main(["report", "merge", str(a), str(c)]) == 0
+    out, err = capsys.readouterr()
+    assert "[2]" not in out
+    assert err == (f"note: {c} is from the same device as {a} ({rep['fingerprint']}): combined "
+                   "into column [1]; where both hold a case, the later report's result is kept\n")
+    assert cli.main(["report", "merge", str(a), str(b)]) == 0
+    assert capsys.readouterr().err == ""
+    merged = report.merge([rep, other_device(rep), copy.deepcopy(rep)], names=["a.json", "b.json", "d.json"])
+    assert [d["reports"] for d in merged["devices"]] == [["a.json"], ["b.json"]]
+    assert merged["dropped"] == [{"report": "d.json", "repeats": "a.json", "fingerprint": rep["fingerprint"]}]
+    assert report.merge_notes(merged) == [
+        f"warning: d.json repeats a.json (same device {rep['fingerprint']}, same cases): dropped"]
+
+
+def test_conformance_rejects_a_bad_device_before_pytest(tmp_path):
+    proc = run_cli({}, "conformance", "--device", "gpu", "--kernels", "vector_add", "--quick",
+                   "--json", str(tmp_path / "r.json"), "--log", str(tmp_path / "pytest.log"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: device 'gpu': not a torch device") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "pytest.log").exists() and not proc.stdout
+
+
 # --- the pieces, in-process ------------------------------------------------------------------------
 
 def suite_module(kernel: str):
@@ -430,3 +467,26 @@ def test_plugin_import_is_light():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['portable_kernels.conformance', 'portable_kernels.conformance.plugin']"
+
+
+def test_the_plain_install_has_what_the_conformance_suite_runs_on():
+    """README's "install and run" command installs the package without extras, and
+    `portable-kernels conformance` must work after it: pytest is a runtime dependency."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert "pytest" in names, project["dependencies"]
+
+
+def test_conformance_without_pytest_says_so(monkeypatch, capsys):
+    import importlib.util
+
+    from portable_kernels.conformance import cli as conformance_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pytest" else real(name, *a))
+    parser = argparse.ArgumentParser()
+    conformance_cli.configure_conformance(parser)
+    assert conformance_cli.run_conformance(parser.parse_args([])) == 2
+    assert "runs on pytest" in capsys.readouterr().err

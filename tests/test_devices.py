@@ -172,10 +172,12 @@ def test_unknown_profile(fresh_host):
             pass
 
 
-def test_unknown_pk_emulate_is_reported(monkeypatch, fresh_host):
+def test_unknown_pk_emulate_is_a_configuration_error(monkeypatch, fresh_host, caplog):
     monkeypatch.setenv("PK_EMULATE", "h900")
-    host = fresh_host()
-    assert any("PK_EMULATE='h900'" in f.error for f in host.failures)
+    with caplog.at_level("WARNING", logger="portable_kernels"):
+        with pytest.raises(pk.ConfigurationError, match=r"PK_EMULATE='h900'.*known profiles: a100, .*h100"):
+            fresh_host()
+    assert "failed" not in caplog.text  # a mistake in the environment, not a plugin failure
 
 
 def test_emulated_selection_runs_on_the_real_device(fresh_host, device, gen):
@@ -202,3 +204,71 @@ def test_emulated_variant_the_executor_cannot_run(fresh_host, device):
         assert pk.explain("softmax", x).variant == "t.fp8only"
         with pytest.raises(VariantUnavailableError, match="executing device"):
             pk.get_kernel("softmax")(x)
+
+
+# --- device arguments ---------------------------------------------------------------------
+
+class DetectionRecorder:
+    """Records every device a detection hook is asked about, claiming none."""
+
+    def __init__(self):
+        self.asked = []
+
+    @hookimpl(tryfirst=True)
+    def pk_detect_device(self, device):
+        self.asked.append(device)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """torch as it is on a machine without a CUDA device, whatever this machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.mark.parametrize("call", ["device_info", "explain", "list_variants"])
+@pytest.mark.parametrize("bad,message", [
+    ("cuda", r"device 'cuda': torch sees no CUDA device on this machine \(torch.cuda.is_available\(\) "
+             r"is False\); devices here: cpu$"),
+    (torch.device("cuda", 1), r"device 'cuda:1': torch sees no CUDA device"),
+    ("gpu", r"device 'gpu': not a torch device .*; devices here: cpu$"),
+    (2.5, r"device 2.5: not a torch device"),
+    ("opengl", r"device 'opengl': torch has no torch.opengl module"),
+])
+def test_bad_device_arguments(fresh_host, no_cuda, call, bad, message):
+    recorder = DetectionRecorder()
+    host = fresh_host(recorder)
+    run = {"device_info": lambda: pk.device_info(bad),
+           "explain": lambda: pk.explain("softmax", device=bad),
+           "list_variants": lambda: pk.list_variants("softmax", bad)}[call]
+    with pytest.raises(pk.DeviceError, match=message):
+        run()
+    # Checked before any backend looked: none is recorded as failed, none is disabled.
+    assert recorder.asked == [] and host.failures == []
+
+
+def test_device_index_past_the_count(fresh_host, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    fresh_host()
+    with pytest.raises(pk.DeviceError, match=r"^device 'cuda:2': index 2 is out of range: torch sees 2 "
+                       r"CUDA devices; devices here: cpu, cuda:0, cuda:1$"):
+        pk.device_info("cuda:2")
+
+
+def test_kernel_calls_do_not_resolve_devices(fresh_host, monkeypatch, device):
+    """Validation belongs to the calls that take a device argument; a kernel call gets its
+    device from its tensors and stays a cache lookup."""
+    from portable_kernels import dispatch
+
+    fresh_host()
+    add = pk.get_kernel("vector_add")
+    x = torch.ones(5, device=device)
+    add(x, x)
+
+    def refuse(device):
+        raise AssertionError("a kernel call resolved a device argument")
+
+    monkeypatch.setattr(dispatch, "_resolve_device", refuse)
+    assert add(x, x).sum().item() == 10
+    assert add(torch.ones(7, device=device), torch.ones(7, device=device)).sum().item() == 14

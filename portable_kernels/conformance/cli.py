@@ -114,8 +114,25 @@ def _tail(path: str, lines: int = 40) -> str:
 
 
 def run_conformance(args: argparse.Namespace) -> int:
+    from .. import dispatch
+    from ..errors import DeviceError
     from . import report as reports
 
+    if importlib.util.find_spec("pytest") is None:
+        # pytest is a dependency of the package; a broken environment still gets one clear
+        # line (the subprocess's own error goes to the terminal, not to its log).
+        print(f"error: the conformance suite runs on pytest, which {sys.executable} cannot "
+              "import; install it (pip install pytest) or reinstall portable-kernels",
+              file=sys.stderr)
+        return 2
+    if args.device is not None:
+        # Before pytest starts: inside the run a device that is not there fails every case
+        # with the same error instead of stopping the run with it.
+        try:
+            dispatch._resolve_device(args.device)
+        except DeviceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     workdir = tempfile.mkdtemp(prefix="pk-conformance-")
     json_path = os.path.abspath(args.json) if args.json else os.path.join(workdir, "report.json")
     log_path = os.path.abspath(args.log) if args.log else os.path.join(workdir, "pytest.log")
@@ -186,10 +203,14 @@ def run_report(args: argparse.Namespace) -> int:
             if args.markdown:
                 reports.write(reports.markdown(report), args.markdown)
             return 0
-        merged = reports.merge([reports.load(path) for path in args.reports])
+        merged = reports.merge([reports.load(path) for path in args.reports], names=args.reports)
     except reports.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # One column per fingerprint: without these, `merge A.json A.json` would pass for a run
+    # of one device.
+    for note in reports.merge_notes(merged):
+        print(note, file=sys.stderr)
     print(reports.merged_text(merged, width=_width()))
     for path, text in ((args.markdown, reports.merged_markdown), (args.html, reports.merged_html),
                        (args.json, lambda m: reports.json.dumps(m, indent=1) + "\n")):

@@ -27,6 +27,7 @@ __all__ = [
     "load",
     "markdown",
     "merge",
+    "merge_notes",
     "merged_html",
     "merged_markdown",
     "matrix_rows",
@@ -361,20 +362,34 @@ def markdown(report: dict) -> str:
 
 # --- several devices ------------------------------------------------------------------------------
 
-def merge(reports: Sequence[dict]) -> dict:
+def merge(reports: Sequence[dict], names: Sequence[str] | None = None) -> dict:
     """One cross-device matrix from reports of several devices.
 
     Rows are kernel x variant (the union over the reports), one column per device
     fingerprint in the order first seen. Reports of the same fingerprint (two partial runs,
     two machines of one kind) are combined; a case present in both keeps the later one.
+    A report equal to one already merged (the same file given twice) is dropped.
+    ``names`` (e.g. the files read) say where each report came from: each device lists
+    its ``reports``, and ``dropped`` the repeats; :func:`merge_notes` words both.
     """
+    names = list(names) if names is not None else [f"report {i + 1}" for i in range(len(reports))]
+    if len(names) != len(reports):
+        raise ValueError(f"{len(reports)} reports but {len(names)} names")
     devices: dict[str, dict] = {}
-    for i, r in enumerate(reports):
-        validate(r, f"report {i + 1}")
+    merged: list[tuple[dict, str]] = []
+    dropped: list[dict] = []
+    for r, name in zip(reports, names):
+        validate(r, name)
         fp = r["fingerprint"]
+        twin = next((seen for other, seen in merged if other == r), None)
+        if twin is not None:
+            dropped.append({"report": name, "repeats": twin, "fingerprint": fp})
+            continue
+        merged.append((r, name))
         entry = devices.setdefault(fp, {
             "fingerprint": fp, "device": r["device"], "versions": r["versions"],
-            "created": r["created"], "torch_devices": [], "cases": {}})
+            "created": r["created"], "torch_devices": [], "reports": [], "cases": {}})
+        entry["reports"].append(name)
         entry["created"] = max(entry["created"], r["created"])
         entry["torch_devices"] = sorted(set(entry["torch_devices"]) | set(r["torch_devices"]))
         for c in r["cases"]:
@@ -395,8 +410,29 @@ def merge(reports: Sequence[dict]) -> dict:
         "created": _now(),
         "devices": [{k: v for k, v in d.items() if k != "cases"} | {"summary": summarize(d["cases"].values())}
                     for d in devices.values()],
+        "dropped": dropped,
         "rows": rows,
     }
+
+
+def merge_notes(merged: dict) -> list[str]:
+    """What :func:`merge` did that its matrix does not show, one line each: reports dropped
+    as repeats, and reports that share a column because they share a fingerprint."""
+    notes = []
+    for d in merged.get("dropped", []):
+        if d["report"] == d["repeats"]:
+            notes.append(f"warning: {d['report']} is given more than once: the repeat was dropped "
+                         f"(device {d['fingerprint']})")
+        else:
+            notes.append(f"warning: {d['report']} repeats {d['repeats']} (same device {d['fingerprint']}, "
+                         "same cases): dropped")
+    for column, d in enumerate(merged["devices"], 1):
+        names = d.get("reports") or []
+        for name in names[1:]:
+            notes.append(f"note: {name} is from the same device as {names[0]} ({d['fingerprint']}): "
+                         f"combined into column [{column}]; where both hold a case, the later "
+                         "report's result is kept")
+    return notes
 
 
 def _short(cell_dict: dict | None) -> str:
