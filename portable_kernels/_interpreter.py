@@ -6,11 +6,17 @@ So on a machine with no GPU, ``TRITON_INTERPRET=1`` must be set before the first
 ``import triton`` anywhere in the process, which is why this runs first thing in
 ``portable_kernels/__init__.py`` (the only import-time query the library makes: whether
 torch sees a GPU, and only when the user has not decided).
+
+numpy: triton 3.6's interpreter converts one-element arrays to Python ints where a kernel
+uses a tensor as a loop bound (``range(0, tl.cdiv(K, BLOCK_K))``); numpy 2.4 made that an
+error (``only 0-dimensional arrays can be converted to Python scalars``), numpy 2.0-2.3
+warn. Hence ``numpy<2.4`` in ``pyproject.toml``; triton 3.7 and newer work with any numpy.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -31,15 +37,23 @@ def choose() -> None:
     (for CPU tensors on a GPU machine). Once ``triton`` is imported the choice is made;
     :func:`active` then reports what Triton really does.
     """
+    global TRITON_FIRST
+    TRITON_FIRST = "triton" in sys.modules
     if "TRITON_INTERPRET" in os.environ:
         return
     if os.environ.get("PK_INTERPRET", "").strip().lower() in _TRUE:
         os.environ["TRITON_INTERPRET"] = "1"
         return
-    if "triton" in sys.modules:
+    if TRITON_FIRST:
         return
     if not _gpu_usable():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+#: Whether ``triton`` was imported before ``portable_kernels`` (set by :func:`choose`): then
+#: Triton's own library is decorated as compiled code, and no setting made afterwards can
+#: turn the interpreter on in this process.
+TRITON_FIRST = False
 
 
 def active() -> bool:
@@ -63,3 +77,36 @@ def late_reason() -> str | None:
             "PK_INTERPRET=1) before anything imports triton, or import portable_kernels first"
         )
     return None
+
+
+#: Held by every launch under the interpreter: Triton's interpreter keeps the launch's grid
+#: and program ids in process-global state, so two threads interpreting at once read each
+#: other's (seen: ``ValueError('x >= grid_dim[0]')`` in 14-16 of 40 calls from 8 threads).
+#: Reentrant: an op's launch runs inside another op's (a backward calling a forward).
+_LOCK = threading.RLock()
+
+
+class Serialized:
+    """The context of one interpreted launch: the interpreter's lock, and numpy's floating
+    point warnings off. The interpreter computes in numpy, which warns (``invalid value
+    encountered in subtract``) where a kernel meets NaN or inf inputs by design (a softmax
+    row of -inf); the results are what torch returns, so the warnings are noise to users."""
+
+    __slots__ = ("_errstate",)
+
+    def __enter__(self) -> None:
+        import numpy as np
+
+        _LOCK.acquire()
+        try:
+            self._errstate = np.errstate(all="ignore")
+            self._errstate.__enter__()
+        except BaseException:
+            _LOCK.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._errstate.__exit__(*exc)
+        finally:
+            _LOCK.release()

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from . import _context, plugins
 from .device import DeviceInfo
-from .errors import NoVariantError, VariantUnavailableError
-from .launch import LaunchPlan, device_guard
+from .errors import ArgumentError, DeviceError, NoVariantError, VariantUnavailableError
+from .launch import LaunchPlan, launch_guard
 from .registry import KernelSpec, Variant
 
 __all__ = [
@@ -104,17 +105,63 @@ def _spec(name: str) -> KernelSpec:
 
 
 def _resolve_device(device: Any) -> torch.device:
+    """``device`` (a ``torch.device`` or a string such as ``"cuda:1"``; ``None``: the current
+    CUDA device if there is one, else the CPU) as a ``torch.device`` with an index.
+
+    Checked against what torch sees here before any backend's detection hook reads it: a
+    hook asked about a device that does not exist raises, and the plugin host would record
+    that backend as failed and skip it for the rest of the process. Only calls that take a
+    device argument come here; a kernel call takes its device from its tensors.
+
+    Raises:
+        DeviceError: ``device`` is not a torch device, torch has no module or no device of
+            its type here, or its index is past the count; the message lists what exists.
+    """
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
+
+    parsed: torch.device | None = None
+
+    def error(problem: str) -> DeviceError:
+        here = ["cpu"]
+        # Triton's GPU targets, and the type asked about (an out-of-tree backend's, say).
+        for kind in dict.fromkeys(["cuda", "xpu"] + ([parsed.type] if parsed is not None else [])):
+            mod = getattr(torch, kind, None)
+            try:
+                count = mod.device_count() if mod.is_available() else 0
+            except (AttributeError, RuntimeError):
+                count = 0  # no module, or one that cannot count its devices: none offered
+            here += [f"{kind}:{i}" for i in range(count)]
+        shown = f"'{device}'" if isinstance(device, (str, torch.device)) else repr(device)
+        return DeviceError(f"device {shown}: {problem}; devices here: {', '.join(here)}")
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise error("not a torch device (a type and an optional index: cpu, cuda, cuda:1)") from None
+    kind = parsed.type
+    if kind == "cpu":
+        return parsed
+    if kind == "meta":
+        # No hardware behind it, nothing to check. Cache keys and detection see meta:0.
+        return parsed if parsed.index is not None else torch.device("meta", 0)
+    mod = getattr(torch, kind, None)
+    if mod is None or not hasattr(mod, "device_count"):
+        raise error(f"torch has no torch.{kind} module, so it reaches no {kind} device")
+    available = mod.is_available() if hasattr(mod, "is_available") else True
+    count = mod.device_count() if available else 0
+    if count == 0:
+        why = f"torch.{kind}.is_available() is False" if not available else f"torch.{kind}.device_count() is 0"
+        raise error(f"torch sees no {kind.upper()} device on this machine ({why})")
+    if parsed.index is None:
         # Tensors always carry an index; so must cache keys and detection.
-        mod = getattr(torch, device.type, None)
-        index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0
-        device = torch.device(device.type, index)
-    return device
+        return torch.device(kind, mod.current_device() if hasattr(mod, "current_device") else 0)
+    if parsed.index >= count:
+        devices = f"{count} {kind.upper()} device" + ("s" if count > 1 else "")
+        raise error(f"index {parsed.index} is out of range: torch sees {devices}")
+    return parsed
 
 
 def _devices(torch_device: torch.device, ctx: _context.SelectionContext) -> tuple[DeviceInfo, DeviceInfo]:
@@ -149,11 +196,8 @@ def select(
     spec = host.registry.spec(name)
     ctx = _context.current.get() if ctx is None else ctx
     info, real = _devices(torch_device, ctx)
-    verdicts: list[Verdict] = []
-    for variant in host.registry.variants[spec.name].values():
-        priority = variant.priority_on(info)
-        reason = _rejection(variant, problem, info)
-        verdicts.append(Verdict(variant.name, variant.plugin, priority, reason is None, reason or ""))
+    # A copy: a variant whose callback fails leaves the registry while being judged.
+    verdicts = [_judge(host, v, problem, info) for v in list(host.registry.variants[spec.name].values())]
 
     forced = _forced(name, ctx)
     runnable = sorted((v for v in verdicts if v.runnable), key=lambda v: (-v.priority, v.name))
@@ -197,12 +241,24 @@ def select(
     return Selection(spec.name, chosen.name, info, real, forced is not None, tuple(ordered), problem)
 
 
-def _rejection(variant: Variant, problem: Any, info: DeviceInfo) -> str | None:
+def _judge(host: plugins.PluginHost, variant: Variant, problem: Any, info: DeviceInfo) -> Verdict:
+    """How selection sees ``variant`` on ``info`` (``problem`` ``None``: requirements only).
+    The one place a variant's own callbacks run, so that one that fails is always set
+    aside (see ``PluginHost.variant_callback``), shown here as rejected."""
+    try:
+        priority = host.variant_callback(variant, "priority", info)
+        reason = _rejection(host, variant, problem, info)
+    except plugins.VariantSetAside as aside:
+        return Verdict(variant.name, variant.plugin, 0, False, str(aside))
+    return Verdict(variant.name, variant.plugin, priority, reason is None, reason or "")
+
+
+def _rejection(host: plugins.PluginHost, variant: Variant, problem: Any, info: DeviceInfo) -> str | None:
     missing = variant.missing(info)
     if missing:
         return f"requires {', '.join(sorted(missing))}, which {info.name} lacks"
     if problem is not None and variant.accepts is not None:
-        return variant.accepts(problem, info)
+        return host.variant_callback(variant, "accepts", problem, info)
     return None
 
 
@@ -225,7 +281,8 @@ def _launch_plan(selection: Selection) -> LaunchPlan:
         configs = host.call("pk_tuning_configs", firstresult=True,
                             kernel=variant.kernel, variant=variant, device=device)
         if configs is None and variant.configs is not None:
-            configs = variant.configs(device)
+            # Raises VariantSetAside when the variant's own configs fail (see _resolve).
+            configs = host.variant_callback(variant, "configs", device)
         switches = dict(variant.switches)
         switches.update(host.call("pk_variant_switches", firstresult=True,
                                   kernel=variant.kernel, variant=variant, device=device) or {})
@@ -237,10 +294,13 @@ class KernelHandle:
     """A callable kernel: each call runs the best variant for its tensors' device.
 
     Get one with :func:`get_kernel`. The handle itself holds no device state, so one
-    handle serves CPU and GPU tensors alike.
+    handle serves CPU and GPU tensors alike. Inside ``torch.compile`` a call is traced as
+    the kernel's operator in :mod:`portable_kernels.ops` (one opaque node with a fake
+    implementation and a backward, the variant still chosen per call when the graph runs),
+    so compiled code may call handles as eager code does.
     """
 
-    __slots__ = ("name", "_host", "_problem", "_cache", "summary")
+    __slots__ = ("name", "_host", "_problem", "_cache", "summary", "_traced")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -253,16 +313,26 @@ class KernelHandle:
         self._problem = spec.problem
         self._cache = host.plans.setdefault(spec.name, {})
         self.summary = f"{spec.name}{spec.signature}: {spec.summary}"
+        # For a kernel without an operator, the call itself behind a graph break: under
+        # torch.compiler.disable it runs eagerly, where _compiling() is False.
+        self._traced = _traced_call(spec.name, self.__call__)
         self._host = host
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Tracing must not enter the eager path: its checks read data pointers, which fake
+        # tensors do not have, and its launches cannot be traced.
+        if _compiling():
+            return self._traced(*args, **kwargs)
         if plugins._HOST is not self._host:
             self._bind()
-        key = (self._problem(*args, **kwargs), _context.current.get())
+        try:
+            key = (self._problem(*args, **kwargs), _context.current.get())
+        except TypeError as exc:
+            raise _signature_error(self.name, self._problem, args, kwargs) or exc
         plan = self._cache.get(key)
         if plan is None:
             plan = self._resolve(key)
-        guard = device_guard(key[0].device)
+        guard = launch_guard(key[0].device)
         if guard is None:
             return plan.launch(plan, *args, **kwargs)
         with guard:
@@ -271,28 +341,76 @@ class KernelHandle:
     def _resolve(self, key: tuple) -> LaunchPlan:
         problem, ctx = key
         selection = select(self.name, problem, problem.device, ctx)
-        plan = _launch_plan(selection)
+        try:
+            plan = _launch_plan(selection)
+        except plugins.VariantSetAside:
+            # The chosen variant's configs failed and it left the registry: choose again
+            # among the others (a forced one now says why it cannot run).
+            selection = select(self.name, problem, problem.device, ctx)
+            plan = _launch_plan(selection)
         self._cache[key] = plan
         return plan
 
     def select(self, *args: Any, **kwargs: Any) -> Selection:
         """The selection this call would make, without launching."""
-        problem = self._problem(*args, **kwargs)
+        problem = _problem(self.name, self._problem, args, kwargs)
         return select(self.name, problem, problem.device)
 
     def plan(self, *args: Any, **kwargs: Any) -> LaunchPlan:
         """The :class:`LaunchPlan` this call would launch, without launching: for code that
         runs a family's internal stages itself (``portable_kernels.ops`` runs forward and
-        backward as separate ops). Same cache and errors as a call. Such code launches with
-        the tensors' device current, as a call does (``launch.device_guard``)."""
+        backward as separate ops). Same cache and errors as a call. Such code launches
+        inside ``launch.launch_guard`` of the tensors' device, as a call does."""
         if plugins._HOST is not self._host:
             self._bind()
-        key = (self._problem(*args, **kwargs), _context.current.get())
+        key = (_problem(self.name, self._problem, args, kwargs), _context.current.get())
         plan = self._cache.get(key)
         return plan if plan is not None else self._resolve(key)
 
     def __repr__(self) -> str:
         return f"<portable_kernels kernel {self.name!r}>"
+
+
+_compiling = torch.compiler.is_compiling
+
+
+def _signature_error(name: str, problem: Any, args: tuple, kwargs: dict) -> ArgumentError | None:
+    """The error for a call of kernel ``name`` whose arguments do not bind to its problem
+    function (whose signature is the kernel's), or None when they do (a ``TypeError`` raised
+    inside it is its own message). Only runs once a call has failed."""
+    try:
+        inspect.signature(problem).bind(*args, **kwargs)
+    except TypeError as exc:
+        spec = plugins.host().registry.kernels.get(name)
+        call = f"{name}{spec.signature}" if spec is not None else name
+        return ArgumentError(f"{name}: {exc}; the call is {call}")
+    return None
+
+
+def _problem(name: str, problem: Any, args: tuple, kwargs: dict) -> Any:
+    """``problem(*args, **kwargs)``, with a call that does not match the kernel's signature
+    reported as such."""
+    try:
+        return problem(*args, **kwargs)
+    except TypeError as exc:
+        raise _signature_error(name, problem, args, kwargs) or exc
+
+
+def _traced_call(name: str, eager: Any) -> Any:
+    """What a call of kernel ``name`` is under ``torch.compile``: its operator in
+    :mod:`portable_kernels.ops`, or, for a kernel that has none (a plugin's own family),
+    the eager call behind a graph break."""
+    from . import ops  # registers the operators; it imports this module, hence here
+
+    op = getattr(ops, name, None) if name in ops.OPS else None
+    if op is not None:
+        return op
+    reason = (f"portable_kernels: kernel {name!r} has no torch operator "
+              "(portable_kernels.ops), so torch.compile runs it eagerly")
+    try:
+        return torch.compiler.disable(eager, reason=reason)
+    except TypeError:  # torch < 2.6 takes no reason
+        return torch.compiler.disable(eager)
 
 
 def get_kernel(name: str) -> KernelHandle:
@@ -315,14 +433,19 @@ def list_variants(name: str, device: Any = None) -> list[str]:
         return sorted(v.name for v in variants)
     ctx = _context.current.get()
     info = _devices(_resolve_device(device), ctx)[0]
-    ok = [v for v in variants if _rejection(v, None, info) is None]
-    return [v.name for v in sorted(ok, key=lambda v: (-v.priority_on(info), v.name))]
+    ok = [v for v in (_judge(host, v, None, info) for v in variants) if v.runnable]
+    return [v.name for v in sorted(ok, key=lambda v: (-v.priority, v.name))]
 
 
 def device_info(device: Any = None) -> DeviceInfo:
     """The ``DeviceInfo`` selection uses for ``device`` (a ``torch.device`` or string;
     default: the current CUDA device if there is one, else the CPU). While emulating,
-    the emulated profile."""
+    the emulated profile.
+
+    Raises:
+        DeviceError: ``device`` does not exist here (the message names it and lists the
+            devices that do), or no loaded backend recognizes it.
+    """
     ctx = _context.current.get()
     return _devices(_resolve_device(device), ctx)[0]
 
@@ -335,7 +458,7 @@ def explain(name: str, *args: Any, device: Any = None, **kwargs: Any) -> Selecti
     """
     spec = _spec(name)
     if args or kwargs:
-        problem = spec.problem(*args, **kwargs)
+        problem = _problem(spec.name, spec.problem, args, kwargs)
         return select(spec.name, problem, problem.device)
     return select(spec.name, None, _resolve_device(device))
 

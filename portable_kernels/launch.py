@@ -14,12 +14,12 @@ import torch
 import triton
 import triton.testing
 
-from . import _direct, tuning_cache
+from . import _direct, _interpreter, tuning_cache
 from ._autotuner import PlanAutotuner
 from .device import DeviceInfo
 from .registry import Variant
 
-__all__ = ["LaunchPlan", "device_guard"]
+__all__ = ["LaunchPlan", "device_guard", "launch_guard"]
 
 
 _MISSING = object()
@@ -62,6 +62,16 @@ def device_guard(device: torch.device) -> Any:
     return getattr(torch, device.type).device(device.index)
 
 
+def launch_guard(device: torch.device) -> Any:
+    """What a launch on ``device`` must run inside, or None: :func:`device_guard` on GPUs,
+    and on the CPU (Triton's interpreter) the interpreter's lock and quiet numpy
+    (``_interpreter.Serialized``). Every launch path (kernel handles, the ops' stages)
+    takes it, so calls from several threads work on every backend."""
+    if device.type == "cpu":
+        return _interpreter.Serialized()
+    return device_guard(device)
+
+
 def _graph_replays(fn: Callable[[], None], quantiles: Any = None, rep_ms: float = 20.0) -> Any:
     """``fn``'s time in ms (or its ``quantiles``), from replays of a CUDA graph of repeated
     calls captured on a new stream of the current device. As
@@ -82,7 +92,10 @@ def _graph_replays(fn: Callable[[], None], quantiles: Any = None, rep_ms: float 
         estimate = start.elapsed_time(end) / 5
         repeat = max(1, int(rep_ms / estimate)) if estimate > 0 else 1000
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        # thread_local: in the default (global) mode, a capture makes every other thread's
+        # launch or allocation fail ("operation not permitted when stream is capturing"), so
+        # a call tuning in one thread broke calls running in others.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             for _ in range(repeat):
                 fn()
         torch.cuda.synchronize()

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from . import dispatch
 from .errors import InputError
-from .launch import device_guard
+from .launch import launch_guard
 
 __all__ = [
     "asin",
@@ -97,9 +97,10 @@ def _family(name: str):
 
 
 def _on(device: torch.device):
-    """The device guard for ops that run a family's stages themselves (``handle(...)``
-    calls are guarded by the handle): Triton launches on the current device."""
-    return device_guard(device) or contextlib.nullcontext()
+    """The launch guard for ops that run a family's stages themselves (``handle(...)``
+    calls are guarded by the handle): Triton launches on the current device, and the
+    interpreter one launch at a time (``launch.launch_guard``)."""
+    return launch_guard(device) or contextlib.nullcontext()
 
 
 def _rows(x: Tensor) -> int:
@@ -240,7 +241,8 @@ def _(x, weight, bias, eps=1e-5):
 def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
                         rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)`` for the upstream gradient ``grad`` (``x``'s shape)."""
-    plan = _handle("layer_norm").plan(x)
+    # The plan depends on x alone (its device and dtype): no bias reaches the backward.
+    plan = _handle("layer_norm").plan(x, weight, None)
     n = x.shape[-1]
     with _on(x.device):
         dx, dw, db = _family("layer_norm")._backward(

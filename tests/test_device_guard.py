@@ -84,8 +84,8 @@ def recorded(monkeypatch):
         seen.append(device)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(dispatch, "device_guard", guard)
-    monkeypatch.setattr(ops, "device_guard", guard)
+    monkeypatch.setattr(dispatch, "launch_guard", guard)
+    monkeypatch.setattr(ops, "launch_guard", guard)
     return seen
 
 

@@ -167,11 +167,21 @@ def test_kernel_errors_pass_through(device):
         ops.matmul(torch.ones(2, 3, device=device), torch.ones(4, 5, device=device))
 
 
-class _Block(torch.nn.Module):
-    """A pre-norm attention block made of nothing but our ops (and a tanh for asin)."""
+class _Handles:
+    """The kernels as ``pk.get_kernel`` handles, under the ops' names: what users call."""
 
-    def __init__(self, gen, dim=32, heads=2, kv_heads=1):
+    def __init__(self):
+        for name in ops.OPS:
+            setattr(self, name, pk.get_kernel(name))
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm attention block made of nothing but our kernels (and a tanh for asin),
+    called through ``calls``: the ``ops`` module or handles."""
+
+    def __init__(self, gen, calls=ops, dim=32, heads=2, kv_heads=1):
         super().__init__()
+        self.calls = calls
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         width = dim + 2 * kv_heads * self.head_dim
         self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim, generator=gen))
@@ -180,6 +190,7 @@ class _Block(torch.nn.Module):
         self.proj = torch.nn.Parameter(torch.randn(dim, dim, generator=gen) / dim ** 0.5)
 
     def forward(self, x):
+        ops = self.calls
         b, n, dim = x.shape
         h = ops.layer_norm(x, self.weight, self.bias)
         qkv = ops.matmul(h.reshape(b * n, dim), self.qkv)
@@ -195,12 +206,17 @@ class _Block(torch.nn.Module):
 
 # torch 2.13's own compile stack calls torch.jit.script_method, which it deprecates.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_torch_compile_fullgraph_matches_eager(gen, device):
+@pytest.mark.parametrize("calls", ["ops", "handles"])
+def test_torch_compile_fullgraph_matches_eager(calls, gen, device):
+    """Through the ops and through handles: a handle traces as its op (no graph break),
+    forward and backward."""
     torch._dynamo.reset()
     block = _Block(gen).to(device)
     x = _randn(gen, device, 2, 8, 32, requires_grad=True)
     params = [*block.parameters(), x]
 
+    # The eager side through the ops: eager calls of some handles (softmax, matmul, ...)
+    # are not differentiable, the ops are, and a traced handle is its op.
     eager = block(x)
     eager.square().sum().backward()
     eager_grads = [p.grad.clone() for p in params]
@@ -208,9 +224,39 @@ def test_torch_compile_fullgraph_matches_eager(gen, device):
         p.grad = None
 
     # fullgraph: any graph break (an untraceable launch) is an error, not a silent split.
+    if calls == "handles":
+        block.calls = _Handles()
     compiled = torch.compile(block, fullgraph=True, backend="inductor")(x)
     compiled.square().sum().backward()
     tol = Tolerance(1e-5, 1e-5)
     assert_close(compiled, eager, tol, "compiled output")
     for i, (p, g) in enumerate(zip(params, eager_grads)):
         assert_close(p.grad, g, tol, f"compiled gradient {i}")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_handle_of_a_kernel_without_an_op_runs_eagerly_under_compile(fresh_host, device):
+    """A plugin's own family has no torch operator: under torch.compile its handle's call
+    is a graph break around the eager call, which still selects and launches."""
+    from typing import NamedTuple
+
+    from portable_kernels import KernelSpec, Variant, hookimpl
+
+    class Problem(NamedTuple):
+        device: torch.device
+
+    class Plugin:
+        @hookimpl
+        def pk_register_variants(self, registry):
+            registry.add_kernel(KernelSpec("twice", "(x) -> out", lambda x: Problem(x.device),
+                                           "x * 2"))
+            registry.add_variant(Variant("twice", "generic", lambda plan, x: x * 2))
+
+    fresh_host(Plugin())
+    twice = pk.get_kernel("twice")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(8, device=device)
+    out = torch.compile(lambda t: twice(t + 1) - 1, backend="eager")(x)
+    assert torch.equal(out, (x + 1) * 2 - 1)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) >= 1

@@ -11,7 +11,7 @@ import torch
 from triton.runtime import _allocation
 
 from ..device import DeviceInfo
-from ..errors import DTypeError, InputError
+from ..errors import ArgumentError, DTypeError, InputError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: The 8-bit float formats of ``tl.dot`` (OCP e4m3 and e5m2), for kernels that take them.
@@ -53,6 +53,23 @@ def same_device(kernel: str, **tensors: Any) -> torch.device:
     devices = {name: tensor_device(kernel, name, t) for name, t in tensors.items()}
     where = ", ".join(f"{n} on {d}" for n, d in devices.items())
     raise InputError(f"{kernel}: tensors must be on one device, got {where}")
+
+
+def check_int(kernel: str, arg: str, value: Any) -> None:
+    """``ArgumentError`` unless ``value`` is an integer (a Python int, or anything with
+    ``__index__`` such as a numpy integer; not a bool). Cheap enough for problem
+    functions: a plain int takes one type check."""
+    if type(value) is int:
+        return
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ArgumentError(f"{kernel}: {arg} must be an int, got {type(value).__name__} {value!r}")
+
+
+def check_bool(kernel: str, arg: str, value: Any) -> None:
+    """``ArgumentError`` unless ``value`` is a bool (as torch's own ``is_causal``: a string
+    such as ``"no"`` would otherwise read as true)."""
+    if value is not True and value is not False:
+        raise ArgumentError(f"{kernel}: {arg} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:

@@ -66,20 +66,21 @@ class Problem(NamedTuple):
     dtype: torch.dtype
 
 
-def problem(x, p=None, seed=None) -> Problem:
-    """Selection key of a ``dropout(x, p, seed)`` call."""
+def problem(x, p, seed) -> Problem:
+    """Selection key of a ``dropout(x, p, seed)`` call (its signature is the kernel's, so
+    that a call missing ``p`` or ``seed`` is told so; ``launch`` checks their values)."""
     return Problem(_host.tensor_device(NAME, "x", x), x.dtype)
 
 
 def _check_args(x, p, seed) -> float:
     _host.check_dtype(NAME, "x", x)
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise _host.DTypeError(f"{NAME}: p must be a float in [0, 1], got {type(p).__name__}")
+        raise _host.ArgumentError(f"{NAME}: p must be a float in [0, 1], got {type(p).__name__}")
     p = float(p)
     if not 0.0 <= p <= 1.0:  # also rejects NaN
         raise _host.InputError(f"{NAME}: p must be in [0, 1], got p={p}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise _host.DTypeError(f"{NAME}: seed must be an int, got {type(seed).__name__}")
+        raise _host.ArgumentError(f"{NAME}: seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed < _SEED_LIMIT:
         raise _host.InputError(f"{NAME}: seed must be in [0, 2**63), got seed={seed}")
     return p
