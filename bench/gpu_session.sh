@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One device-tool call on the GPU machine: install, run the test suite compiled, run the
 # benchmarks, and leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
-#   bash bench/gpu_session.sh [tests|bench|all|memcheck] [extra pytest args...]
+#   bash bench/gpu_session.sh [tests|large|serial|bench|all|memcheck] [extra pytest args...]
+# tests: the suite without the large-tensor tests, in 8 pytest-xdist workers (about 3 minutes
+#   on the H200); large: tests/test_large.py alone, one process (each test holds tens of GB);
+#   serial: the given test files (default: all) in one process, as a user's plain `pytest`
+#   runs them, which catches state one test leaves for the next;
 # memcheck: the kernel tests under compute-sanitizer (ci/memcheck-cuda.sh; minutes), alone.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -11,12 +15,23 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 portable-kernels info >"$out/info.txt" 2>&1; tail -n 25 "$out/info.txt"
 summary=()
+run_pytest() {  # name, pytest arguments...
+  local name=$1; shift
+  local start=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: pytest rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$out/$name.log")")
+  grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -20
+}
 if [[ $what == tests || $what == all ]]; then
-  start=$(date +%s)
-  python3 -m pytest tests -q -x -p no:cacheprovider "$@" >"$out/pytest.log" 2>&1
-  rc=$?
-  summary+=("pytest rc=$rc in $(( $(date +%s) - start ))s: $(tail -n 1 "$out/pytest.log")")
-  grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20
+  run_pytest pytest tests -n 8 -m "not large" "$@"
+fi
+if [[ $what == large ]]; then
+  run_pytest large tests/test_large.py -m large --durations 20 "$@"
+fi
+if [[ $what == serial ]]; then
+  [[ $# -gt 0 ]] || set -- tests -m "not large"
+  run_pytest serial -p no:xdist "$@"
 fi
 if [[ $what == memcheck ]]; then
   start=$(date +%s)

@@ -156,3 +156,18 @@ def test_errors(device, gen):
         layer_norm(x, w, b, eps=-1.0)
     with pytest.raises(TypeError, match="layer_norm: eps must be a float"):
         layer_norm(x, w, b, eps="1e-5")
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0), (0, 7)], ids=["no-cols", "3d-no-cols", "no-rows"])
+def test_empty(shape, device):
+    """Empty inputs give torch's empty results, forward and backward (an empty last
+    dimension used to fail in the launcher's reshape)."""
+    n = shape[-1]
+    x = torch.empty(shape, device=device).requires_grad_(True)
+    w = torch.ones(n, device=device).requires_grad_(True)
+    b = torch.zeros(n, device=device).requires_grad_(True)
+    out = layer_norm(x, w, b)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == (n,) and b.grad.shape == (n,)
+    assert torch.all(w.grad == 0) and torch.all(b.grad == 0)

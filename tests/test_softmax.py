@@ -47,9 +47,15 @@ def test_long_row_with_leading_neg_inf_block(device, gen):
     assert_close(pk.get_kernel("softmax")(x), torch.softmax(x.double(), -1), tolerance(torch.float32, "reduction"))
 
 
-def test_empty(device):
-    out = pk.get_kernel("softmax")(torch.empty(0, 5, device=device))
-    assert out.shape == (0, 5)
+@pytest.mark.parametrize("shape, dim", [((0, 5), -1), ((4, 0), -1), ((4, 0), 0), ((0, 3, 5), 1),
+                                        ((3, 0, 2), 2)])
+def test_empty(shape, dim, device):
+    """Empty along the softmax's dimension or another one: torch's empty result, shape
+    and dtype alike (an empty last dimension used to fail in the launcher's reshape)."""
+    x = torch.empty(shape, device=device, dtype=torch.float16)
+    out = pk.get_kernel("softmax")(x, dim)
+    expected = torch.softmax(x.float(), dim).half()
+    assert out.shape == expected.shape and out.dtype == x.dtype and out.device == x.device
 
 
 def test_errors(device):

@@ -76,7 +76,7 @@ queries and loops over key blocks in two stages, as the forward does (the blocks
 sees in full without a mask, then the causal diagonal and the Nk tail; on the H200, against
 masking every block, 4-10% faster through pointers but at D=64 causal N=1024, where it was
 level to 4% slower); the dk/dv kernel masks every block (split the same way, it ran 10-22%
-slower; docs/performance.md, fifteenth 11-30 session). ``dS = P ∘ (dP - delta)`` is the
+slower; docs/performance.md, flash_attn backward). ``dS = P ∘ (dP - delta)`` is the
 gradient of the scaled scores, hence the final ``· sm_scale`` on dq and dk. Each kernel
 holds one block and streams the other, so each has its own tile: dk/dv holds keys and
 streams few queries, dq holds at least 64 queries (sm_90's warpgroup MMAs work on 64-row
@@ -161,8 +161,12 @@ def _load_tile(base, offs_r, offs_c, stride_r, stride_c, n_r, n_c,
                CHECK_R: tl.constexpr, CHECK_C: tl.constexpr):
     """The [R, C] tile ``base[r * stride_r + c * stride_c]``, 0 where a checked index is out
     of range. Unchecked dimensions must be in range: an unmasked load past the end reads
-    garbage (and masks along the contiguous dimension cost vectorized loads)."""
-    ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+    garbage (and masks along the contiguous dimension cost vectorized loads).
+
+    The offsets are int64: within one head, rows times the sequence stride pass 2**31
+    elements for long sequences in a (B, N, H, D) layout (2**19 keys at H·D = 4096). Only
+    the [R] and [C] vectors are widened; the [R, C] sum is a 64-bit add either way."""
+    ptrs = base + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :].to(tl.int64) * stride_c
     if CHECK_R:
         if CHECK_C:
             tile = tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c), other=0.0)
@@ -196,13 +200,16 @@ def _store_seq_tile(base, tile, offs_s, offs_d, stride_s, stride_d, n_s, D,
                     PAD_D: tl.constexpr, D_MAJOR: tl.constexpr):
     """Store a [S, Dc] tile (or [Dc, S] with ``D_MAJOR``) in the output's dtype, rows past
     ``n_s`` and padded head-dim columns dropped."""
+    # int64 offsets, as in _load_tile.
+    offs_s64 = offs_s.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
     if D_MAJOR:
-        ptrs = base + offs_d[:, None] * stride_d + offs_s[None, :] * stride_s
+        ptrs = base + offs_d64[:, None] * stride_d + offs_s64[None, :] * stride_s
         mask = offs_s[None, :] < n_s
         if PAD_D:
             mask = mask & (offs_d[:, None] < D)
     else:
-        ptrs = base + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d
+        ptrs = base + offs_s64[:, None] * stride_s + offs_d64[None, :] * stride_d
         mask = offs_s[:, None] < n_s
         if PAD_D:
             mask = mask & (offs_d[None, :] < D)
@@ -557,7 +564,7 @@ def _flash_attn_bwd_dkdv_kernel(
     # Causal: query blocks wholly above the diagonal (every i < start_n) see none of these keys.
     # One loop, masked throughout, unlike the forward and the dq kernel: split into the
     # diagonal blocks (masked) and the rest (no mask), this kernel ran 10-22% slower on the
-    # H200 (causal, fp16, D=64 and 128, N=1024 and 4096, 2026-11-30).
+    # H200 (causal, fp16, D=64 and 128, N=1024 and 4096, triton 3.6).
     if CAUSAL:
         lo = start_n // BLOCK_M * BLOCK_M
     else:
@@ -753,8 +760,10 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Pro
             f"key/value heads ({h_kv})")
     if not 1 <= d <= _MAX_HEAD_DIM:
         raise _host.InputError(f"{NAME}: head dim D={d} is not supported (1 to {_MAX_HEAD_DIM})")
-    if sm_scale is not None and not isinstance(sm_scale, (int, float)):
-        raise _host.DTypeError(
+    _host.check_bool(NAME, "causal", causal)
+    if sm_scale is not None and (isinstance(sm_scale, bool)
+                                 or not isinstance(sm_scale, (int, float))):
+        raise _host.ArgumentError(
             f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
     return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v),
                    # Only CUDA tensors can take the Gluon forward: skip its checks elsewhere.
@@ -992,8 +1001,10 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
     gluon = plan.switches["GLUON_DKDV"] and flash_attn_gluon.backward_takes(n_k, d)
     if (tma or gluon) and _descriptor_issue(d, do, do, do):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
-        # (an expanded scalar's gradient has zero strides): one copy makes it describable.
-        do = do.contiguous()
+        # (an expanded scalar's gradient has zero strides, a slice of a larger buffer can
+        # start off a 16-byte boundary): one copy into a new buffer makes it describable
+        # (``contiguous()`` would return a contiguous but misaligned view as it is).
+        do = do.clone(memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
     _launch_preprocess(out, do, delta, dq_m, dq_opts, plan)
     if gluon and plan.switches["GLUON_DQ"]:

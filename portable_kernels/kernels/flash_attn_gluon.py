@@ -27,7 +27,7 @@ time it frees up, drawn from an atomic counter. A program is split in partitions
   four warps, so one warpgroup's softmax runs while the other's products occupy the tensor
   cores, instead of both waiting at a CTA barrier; they take turns to issue their products
   (:data:`PINGPONG`). With the two warpgroups in one 8-warp partition the kernel ran at
-  0.82× the split one at D=128 (H200, 2026-11-30).
+  0.82× the split one at D=128 (H200, triton 3.6).
 
 A tile takes its last key block first when that block needs the mask (the causal
 diagonal, the key tail), then the others in key order (:data:`KEY_ORDER`), so a causal
@@ -84,7 +84,7 @@ BLOCK_M = 64
 #: consumer) when a program's mean key loop, Nk or Nk / 2 when causal, reaches
 #: ``D64_CONSUMERS_MIN_KEYS``; below it, and at D=128 (three would not fit the registers),
 #: two. Three share each K/V block among 192 queries, FlashAttention-3's D=64 tile: timed in
-#: alternation with two on the H200 (fp16, B·H·N = 128·4096 and 32·16384, 2026-11-30,
+#: alternation with two on the H200 (fp16, B·H·N = 128·4096 and 32·16384, triton 3.6,
 #: ``bench/flash_attn_gluon_ab.py --knob D64_CONSUMERS=2,3 --dims 64``), 10-13% faster for
 #: full attention and 6% for causal at N=16384, 4% slower causal at N=4096, where programs
 #: average 2048 keys and the fewer, longer tiles balance worse.
@@ -92,7 +92,7 @@ D64_CONSUMERS = 3
 D64_CONSUMERS_MIN_KEYS = 4096
 #: Keys per block, and the K/V buffers in flight. A 128-key block with two buffers measured
 #: fastest at D=64 and D=128 (64-key blocks with 3 or 4 buffers: 10-12% slower; three
-#: 128-key buffers: level at D=64, 0-2% slower at D=128; H200, 2026-11-30). 256-key blocks
+#: 128-key buffers: level at D=64, 0-2% slower at D=128; H200, triton 3.6). 256-key blocks
 #: at D=64 do not fit a consumer's 232 registers (ptxas spills and serializes the MMAs).
 BLOCK_N = 128
 STAGES = 2
@@ -104,7 +104,7 @@ STAGES = 2
 CONSUMER_REGS = {2: 232, 3: 160}
 PRODUCER_REGS = 24
 #: The consumers take turns to issue their products (FlashAttention-3's ping-pong). Timed
-#: in alternation on the H200 (fp16, 2026-11-30): 1-5% faster at D=64 (3 of 4 rows), within
+#: in alternation on the H200 (fp16, triton 3.6): 1-5% faster at D=64 (3 of 4 rows), within
 #: 1% either way at D=128 (``bench/flash_attn_gluon_ab.py --knob PINGPONG=0,1``).
 PINGPONG = True
 #: How the softmax's P becomes the 16-bit A operand of P·V. 0: ``p.to(dtype)``. Triton 3.6
@@ -114,7 +114,7 @@ PINGPONG = True
 #: loops' code order reversed, two PRMTs a register, which is why that order ran 2-7%
 #: slower). 1: one ``cvt.rn.f16x2.f32`` (``bf16x2``) per pair in inline PTX, no swaps
 #: (:func:`_pack_p`). Timed in alternation on the H200 (fp16, CUDA-graph replays,
-#: ``bench/flash_attn_gluon_ab.py --knob PACK_P=0,1 --graphs``, 2026-11-30): faster in
+#: ``bench/flash_attn_gluon_ab.py --knob PACK_P=0,1 --graphs``): faster in
 #: all 8 rows (N=4096 and 16384, D=64 and 128, full and causal), by 0.4-4%.
 PACK_P = 1
 #: The order in which a tile takes its key blocks. 0: key order; the first block is
@@ -122,7 +122,7 @@ PACK_P = 1
 #: causal tiles have two masked blocks, not one. 1: the last block first when it needs the
 #: mask (the causal diagonal, the key tail), then the rest in key order: one masked block
 #: per 128-row causal tile. Timed in alternation on the H200 (fp16, CUDA-graph replays,
-#: ``bench/flash_attn_gluon_ab.py --knob KEY_ORDER=0,1 --graphs``, 2026-11-30): causal
+#: ``bench/flash_attn_gluon_ab.py --knob KEY_ORDER=0,1 --graphs``): causal
 #: N=1024 12% faster at D=64, 5% at D=128; other rows -2% to +3%. Every block from the
 #: last down (FlashAttention-3's order), or the masked blocks' loop placed before the
 #: unmasked one in the code, ran full attention 1-7% slower.
@@ -134,12 +134,12 @@ KEY_ORDER = 1
 #: consumers, and while a program's mean key loop (Nk, Nk / 2 causal) is shorter than
 #: ``PERSISTENT_MAX_KEYS``, which amortizes the set-up it hides. Timed in alternation with
 #: one program per tile on the H200 (fp16, ``bench/flash_attn_gluon_ab.py --knob
-#: PERSISTENT=0,1``, two runs, 2026-11-30): with two consumers at N=2048 and 4096, causal
+#: PERSISTENT=0,1``, two runs): with two consumers at N=2048 and 4096, causal
 #: 3-6% faster (D=128 N=4096: 0.97 -> 1.00x cuDNN), full attention 2-3% faster at D=128;
 #: at N=16384, D=128, causal 2% slower in both runs, full attention 1% faster. With three
 #: consumers the walk makes the causal build spill (8 B a thread at their 160 registers)
-#: and it ran 7% slower at N=16384. (A fixed stride instead of the counter, eleventh 11-30
-#: session: causal 1-15% slower, as programs got unequal work.)
+#: and it ran 7% slower at N=16384. (A fixed stride instead of the counter, timed the same
+#: way: causal 1-15% slower, as programs got unequal work.)
 PERSISTENT = 1
 PERSISTENT_MAX_KEYS = 8192
 #: The fewest keys a call must have for the variant to take it, by head dim. Each program
@@ -148,9 +148,9 @@ PERSISTENT_MAX_KEYS = 8192
 #: an eager call spends more host time than nvidia.hopper's (three host descriptors).
 #: Timed eagerly in alternation with nvidia.hopper and cuDNN on the H200 (B=4, H=32, fp16,
 #: ``bench/variants_ab.py --set "flash_attn_gluon.MIN_KEYS={}" --backward``): before the
-#: persistent forward (two runs, twelfth 11-30 session) at D=128 ahead from Nk=2048 in
+#: persistent forward (two runs) at D=128 ahead from Nk=2048 in
 #: both passes, at Nk=1024 forward ahead, backward mixed; at D=64 forward behind at 1024
-#: and 2048. With it (fourteenth session, 2026-11-30): forward at D=128, Nk=1024, 0.90x
+#: and 2048. With it: forward at D=128, Nk=1024, 0.90x
 #: cuDNN full and 0.82 causal against 0.75 and 0.70; at D=64, Nk=2048, level (0.98 and
 #: 0.88 against 0.96 and 0.87), its backward ahead there (0.81 and 0.88 against 0.77 and
 #: 0.82); at D=64, Nk=1024, behind in both passes (forward 0.70 against 0.94 cuDNN).
@@ -205,7 +205,7 @@ def _tile(t, n_m, H, GROUP, N_K, CAUSAL: gl.constexpr, TILE_M: gl.constexpr,
     """Tile ``t`` of the launch order: ``(b, h, kvh, first query row, key blocks, key blocks
     every row sees in full)``. Each (batch, head)'s query tiles in turn, the last first:
     causal tiles near the end of the sequence see the most keys. (A longest-first order
-    over groups of 8 or 16 heads instead, timed in alternation on the H200, 2026-11-30:
+    over groups of 8 or 16 heads instead, timed in alternation on the H200 (triton 3.6):
     causal -5% to +2%, full attention at D=128 3-11% slower, probably as more heads' K/V
     at a time miss L2.)"""
     bh = t // n_m
@@ -506,16 +506,19 @@ def _consume_tile(q_wg, k_bufs, v_bufs, q_empty, k_ready, k_empty, v_ready, v_em
     o = warpgroup_mma_wait(0, deps=[o])
     mbarrier.arrive(v_empty.index(last % STAGES), count=1)
 
-    # Rows past Nq (zeros the copy engine read) are computed and not stored.
+    # Rows past Nq (zeros the copy engine read) are computed and not stored. The offsets
+    # are int64: batch times its stride passes 2**31 elements in large calls (B=33, H=32,
+    # N=16384, D=128 wrapped to a negative offset and faulted), and within a head rows
+    # times the sequence stride can too.
     o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    o_base = Out + b * stride_ob + h * stride_oh
-    ptrs = o_base + gl.expand_dims(offs_m, 1) * stride_on + gl.expand_dims(offs_d, 0)
+    o_base = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    ptrs = o_base + gl.expand_dims(offs_m.to(gl.int64), 1) * stride_on + gl.expand_dims(offs_d, 0)
     gl.store(ptrs, o.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N_Q, 1))
     offs_r = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 units to natural
-    gl.store(Lse + (b * H + h) * N_Q + offs_r, lse, mask=offs_r < N_Q)
+    gl.store(Lse + (b * H + h).to(gl.int64) * N_Q + offs_r, lse, mask=offs_r < N_Q)
 
 
 @gluon.jit
@@ -715,7 +718,7 @@ def _bwd_step(k_smem, k_wg, v_wg, q_bufs, do_bufs, ds_bufs, dq_smem, dq_desc, re
         dq, dk, dv = warpgroup_mma_wait(0, deps=[dq, dk, dv])
         mbarrier.arrive(empty.index(s), count=1)
         # The copy engine adds the block into dq's fp32 buffer while the warpgroup goes on
-        # (atomic adds from registers ran 15-25% slower, H200, 2026-11-30); it must have
+        # (atomic adds from registers ran 15-25% slower, H200, triton 3.6); it must have
         # read the last step's block first.
         tma.store_wait(0)
         dq_smem.store(dq * sm_scale)
@@ -782,7 +785,7 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, dq_desc, kv
     offs_n = start_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
     keep = gl.expand_dims(offs_n < N_K, 1)
-    rows = gl.expand_dims(offs_n, 1)
+    rows = gl.expand_dims(offs_n.to(gl.int64), 1)  # int64: see the forward's store
     gl.store(dk_base + rows * stride_dkn + gl.expand_dims(offs_d, 0),
              (dk * sm_scale).to(dk_base.dtype.element_ty), mask=keep)
     gl.store(dv_base + rows * stride_dvn + gl.expand_dims(offs_d, 0),
@@ -828,10 +831,11 @@ def _flash_attn_bwd_gluon_kernel(
     for s in gl.static_range(2):
         mbarrier.init(ds_full.index(s), count=2)
 
-    dk_base = DK + b * stride_dkb + kvh * stride_dkh
-    dv_base = DV + b * stride_dvb + kvh * stride_dvh
-    lse_base = Lse + b * H * N_Q
-    delta_base = Delta + b * H * N_Q
+    # int64: batch times its stride passes 2**31 elements in large calls.
+    dk_base = DK + b.to(gl.int64) * stride_dkb + kvh.to(gl.int64) * stride_dkh
+    dv_base = DV + b.to(gl.int64) * stride_dvb + kvh.to(gl.int64) * stride_dvh
+    lse_base = Lse + b.to(gl.int64) * H * N_Q
+    delta_base = Delta + b.to(gl.int64) * H * N_Q
     gl.warp_specialize([
         (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, dq_desc, kv_bar,
                          ready, empty, ds_full, dk_base, dv_base, stride_dkn, stride_dvn,

@@ -29,6 +29,7 @@ dweight/dbias) and ``num_warps`` (the most a program uses; small tiles use fewer
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -46,8 +47,10 @@ NAME = "layer_norm"
 
 @triton.jit
 def _load_tile(ptr, rows, cols, row_stride, col_stride, mask):
-    """A (BLOCK_M, BLOCK_N) tile in fp32; masked lanes read 0 (neutral in every sum)."""
-    offs = rows[:, None] * row_stride + cols[None, :] * col_stride
+    """A (BLOCK_M, BLOCK_N) tile in fp32; masked lanes read 0 (neutral in every sum).
+    ``rows`` are int64, and so are the column offsets: a transposed view's column stride
+    times its column index can pass 2**31 elements."""
+    offs = rows[:, None] * row_stride + cols[None, :].to(tl.int64) * col_stride
     return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -212,8 +215,9 @@ class Problem(NamedTuple):
     dtype: torch.dtype
 
 
-def problem(x, weight=None, bias=None, eps=1e-5) -> Problem:
-    """Selection key of a ``layer_norm(x, weight, bias, eps)`` call."""
+def problem(x, weight, bias, eps=1e-5) -> Problem:
+    """Selection key of a ``layer_norm(x, weight, bias, eps)`` call (its signature is the
+    kernel's, so that a call missing an argument is told so; ``_check`` checks them)."""
     return Problem(_host.tensor_device(NAME, "x", x), x.dtype)
 
 
@@ -230,7 +234,7 @@ def _check(x, weight, bias, eps) -> None:
                 f"{NAME}: {arg} must have shape ({n},) (x's last dimension), "
                 f"got {tuple(t.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise _host.DTypeError(f"{NAME}: eps must be a float, got {type(eps).__name__}")
+        raise _host.ArgumentError(f"{NAME}: eps must be a float, got {type(eps).__name__}")
     if not 0.0 <= eps < float("inf"):  # also rejects NaN
         raise _host.InputError(f"{NAME}: eps must be finite and >= 0, got eps={eps}")
 
@@ -248,7 +252,8 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
 def _forward(plan, x, weight, bias, eps):
     """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow."""
     n_cols = x.shape[-1]
-    rows = x.reshape(-1, n_cols)
+    # reshape(-1, 0) is ambiguous (torch refuses it): with no columns, count the rows.
+    rows = x.reshape(-1, n_cols) if n_cols else x.reshape(math.prod(x.shape[:-1]), 0)
     n_rows = rows.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)

@@ -41,7 +41,9 @@ def _softmax_kernel(
     row = tl.program_id(0).to(tl.int64)
     in_row = in_ptr + row * in_row_stride
     out_row = out_ptr + row * out_row_stride
-    cols = tl.arange(0, BLOCK_N)
+    # int64 columns: in a transposed view (softmax over dim 0) the column stride is a row
+    # length, and column times stride passes 2**31 elements in large inputs.
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
 
     if ONE_PASS:
         mask = cols < n_cols
@@ -83,7 +85,9 @@ class Problem(NamedTuple):
 
 def problem(x, dim: int = -1) -> Problem:
     """Selection key of a ``softmax(x, dim)`` call."""
-    return Problem(_host.tensor_device(NAME, "x", x), x.dtype)
+    device = _host.tensor_device(NAME, "x", x)
+    _host.check_int(NAME, "dim", dim)
+    return Problem(device, x.dtype)
 
 
 def launch(plan, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -95,11 +99,11 @@ def launch(plan, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if not -x.dim() <= dim < x.dim():
         raise _host.InputError(f"{NAME}: dim {dim} is out of range for a {x.dim()}-D tensor")
     moved = x.movedim(dim, -1)
+    if moved.numel() == 0:  # no rows or no columns (reshape(-1, 0) is ambiguous)
+        return torch.empty(moved.shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
     n_cols = moved.shape[-1]
     rows = moved.reshape(-1, n_cols)  # a view when the leading dims collapse, else a copy
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out.reshape(moved.shape).movedim(-1, dim)
     cfg = plan.config
     block = min(_host.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
     # Roughly 8 fp32 values per thread: fewer warps for short rows, the config's cap for long.
