@@ -81,11 +81,21 @@ def cases() -> dict:
 
 
 def measure(iters: int, flag: str) -> dict:
-    """µs per call of every case with ``PK_DIRECT_LAUNCH=flag``, on plans built afresh."""
+    """µs per call of every case with ``PK_DIRECT_LAUNCH=flag``, on plans built afresh.
+    The variable and the plans are put back afterwards: plans built under the flag would
+    keep its setting for every later call in the process."""
+    before = os.environ.get("PK_DIRECT_LAUNCH")
     os.environ["PK_DIRECT_LAUNCH"] = flag
     plugins.host().clear_caches()
-    return {name: {"ours": per_call_us(ours, iters), "torch": per_call_us(theirs, iters)}
-            for name, (ours, theirs) in cases().items()}
+    try:
+        return {name: {"ours": per_call_us(ours, iters), "torch": per_call_us(theirs, iters)}
+                for name, (ours, theirs) in cases().items()}
+    finally:
+        if before is None:
+            os.environ.pop("PK_DIRECT_LAUNCH", None)
+        else:
+            os.environ["PK_DIRECT_LAUNCH"] = before
+        plugins.host().clear_caches()
 
 
 def main() -> None:
@@ -100,7 +110,6 @@ def main() -> None:
         for setting, flag in SETTINGS.items():
             runs[setting].append(measure(args.iters, flag))
             print(f"round {r + 1}/{args.rounds}: {setting} done", flush=True)
-    os.environ.pop("PK_DIRECT_LAUNCH")
     rows = []
     for name in runs["direct"][0]:
         row = {"case": name}

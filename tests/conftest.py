@@ -25,6 +25,49 @@ DEVICE = _test_device()
 ON_CPU = DEVICE.type == "cpu"
 
 
+def _launch_hooks() -> tuple:
+    """Triton's launch hooks as they stand (3.6 keeps chains of them)."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    return tuple((id(h), tuple(getattr(h, "calls", ()) or ()))
+                 for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+#: Variables a test may not add: the library's own. Any variable that existed is watched;
+#: other new ones are not, since torch and Triton add theirs lazily, once per process
+#: (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, TRITON_PTXAS_PATH at the first compile).
+#: pytest's PYTEST_CURRENT_TEST is pytest's.
+_WATCHED = ("PK_",)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_state():
+    """Fail the test that leaves the process changed for the tests after it: environment
+    variables (PK_DIRECT_LAUNCH left at 0 turned direct launches off for every later test
+    of a serial run) or Triton launch hooks (which also turn direct launches off). The
+    state is put back either way, so one leak fails one test, not the ones after it.
+    Autouse fixtures are set up first, so this checks after monkeypatch has undone its
+    changes."""
+    env = dict(os.environ)
+    hooks = _launch_hooks()
+    yield
+    changed = sorted(k for k in env.keys() | os.environ.keys()
+                     if env.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"
+                     and (k in env or k.startswith(_WATCHED)))
+    for k in changed:
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            del os.environ[k]
+    leaked_hooks = _launch_hooks() != hooks
+    if changed or leaked_hooks:
+        what = [f"environment variables {changed}"] if changed else []
+        what += ["Triton's launch hooks"] if leaked_hooks else []
+        pytest.fail(f"the test left {' and '.join(what)} changed (use monkeypatch, or put "
+                    "them back in a finally)", pytrace=False)
+
+
 @pytest.fixture
 def device() -> torch.device:
     """The device kernels are tested on."""

@@ -1,5 +1,5 @@
 """The GPU tools' building blocks, run under whatever executes kernels here (the interpreter
-on a CPU), so that they do not rot between GPU sessions: the tile sweep's kernel launches
+on a CPU), so that they do not rot between runs on a GPU: the tile sweep's kernel launches
 against autograd, and the autotuner's timer falling back when graph capture fails."""
 from __future__ import annotations
 
@@ -393,14 +393,16 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
     monkeypatch.delenv("PK_DIRECT_LAUNCH", raising=False)
     handle(x, x)
     before = handle.plan(x, x)
-    try:
-        results = [bench.measure(1, flag) for flag in ("1", "0")]
-    finally:
-        monkeypatch.delenv("PK_DIRECT_LAUNCH", raising=False)
+    results = [bench.measure(1, flag) for flag in ("1", "0")]
     assert results[0] == {"vector_add": {"ours": 1.0, "torch": 1.0}}
     assert [flag for flag, _ in seen] == ["1", "0"]
     plans = [plan for _, plan in seen]
     assert plans[0] is not before and plans[1] is not plans[0]  # built afresh in each pass
+    # Nothing of the last pass outlives it: neither the variable nor plans built under it
+    # (they would keep later calls of the process off direct launches).
+    assert "PK_DIRECT_LAUNCH" not in os.environ
+    after = handle.plan(x, x)
+    assert after is not plans[1]
 
 
 @pytest.mark.parametrize("script", ["flash_attn", "matmul"])
