@@ -10,6 +10,12 @@
   more times, in turns, and the lowest median of all their timings wins.
 - **New picks are handed to a store** (``tuning_cache`` writes them per device
   fingerprint), after the re-timing, so what persists is the confirmed pick.
+- **One call at a time.** Triton's ``Autotuner.run`` keeps the launch's arguments in
+  ``self.nargs`` and clears them when it is done, so two threads in it at once read each
+  other's (seen on the H200: 7 of 8 threads calling kernels at once failed with
+  "'NoneType' object is not a mapping"). Every plan's autotuner holds its own lock around
+  ``run``; a tuned problem that launches its binary directly (``LaunchPlan.run_tuned``)
+  does not enter it.
 
 A plan turns the re-timing on for compiled kernels (``confirm_ties``); under the
 interpreter a timing is meaningless and every config costs seconds.
@@ -17,6 +23,7 @@ interpreter a timing is meaningless and every config costs seconds.
 from __future__ import annotations
 
 import statistics
+import threading
 from typing import Any, Callable
 
 from triton.runtime.autotuner import Autotuner
@@ -34,14 +41,28 @@ def _median(timing: Any) -> float:
     return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
 
 
+def adopt(tuner: Autotuner) -> "PlanAutotuner":
+    """``tuner`` (from ``triton.autotune``) as a :class:`PlanAutotuner`, in place."""
+    if not isinstance(tuner, PlanAutotuner):
+        tuner.__class__ = PlanAutotuner
+        tuner._run_lock = threading.RLock()
+    return tuner
+
+
 class PlanAutotuner(Autotuner):
-    """An ``Autotuner`` (installed on one by changing its class) that re-times near-ties
-    when ``confirm_ties`` is set and calls ``store(self)`` after tuning a new key."""
+    """An ``Autotuner`` (installed on one by :func:`adopt`) that runs one call at a time,
+    re-times near-ties when ``confirm_ties`` is set and calls ``store(self)`` after tuning
+    a new key."""
 
     confirm_ties: bool = False
     store: Callable[["PlanAutotuner"], None] | None = None
+    _run_lock: Any
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
+        with self._run_lock:
+            return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         before = len(self.cache)  # keys are only added, in order
         timings_before = getattr(self, "configs_timings", None)
         result = super().run(*args, **kwargs)

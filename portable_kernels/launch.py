@@ -15,7 +15,7 @@ import triton
 import triton.testing
 
 from . import _direct, _interpreter, tuning_cache
-from ._autotuner import PlanAutotuner
+from . import _autotuner
 from .device import DeviceInfo
 from .registry import Variant
 
@@ -204,11 +204,10 @@ class LaunchPlan:
                             c.pre_hook = config_pre_hook
                     if "interpreter" not in self.device.capabilities:
                         autotune_kwargs.setdefault("do_bench", _bench_replayed)
-                    tuned = triton.autotune(configs=configs, key=list(key), **autotune_kwargs)(fn)
-                    if len(configs) > 1:
-                        # Near-ties timed again before a pick is kept (compiled kernels only).
-                        tuned.__class__ = PlanAutotuner
-                        tuned.confirm_ties = "interpreter" not in self.device.capabilities
+                    tuned = _autotuner.adopt(
+                        triton.autotune(configs=configs, key=list(key), **autotune_kwargs)(fn))
+                    # Near-ties timed again before a pick is kept (compiled kernels only).
+                    tuned.confirm_ties = len(configs) > 1 and "interpreter" not in self.device.capabilities
                     fn_name = getattr(fn, "__name__", None) or fn.fn.__name__
                     entry = f"{self.variant.kernel}/{self.variant.name}/{fn_name}"
                     if name:

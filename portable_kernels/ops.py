@@ -364,8 +364,11 @@ def _grouped_matmul_backward(ctx, grads):
     need_a, need_b = ctx.needs_input_grad  # one list of flags per list argument
     _no_fp8_gradient("grouped_matmul", list_a[0])
     # Both gradients are grouped GEMMs themselves: one launch each, on transposed views.
-    da = grouped_matmul(list(grads), [b.t() for b in list_b]) if any(need_a) else None
-    db = grouped_matmul([a.t() for a in list_a], list(grads)) if any(need_b) else None
+    # A list that needs no gradient still gets a list, of Nones: torch.library wants the
+    # gradients in the structure of the inputs.
+    none = [None] * ctx.groups
+    da = grouped_matmul(list(grads), [b.t() for b in list_b]) if any(need_a) else none
+    db = grouped_matmul([a.t() for a in list_a], list(grads)) if any(need_b) else none
     return da, db
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from triton.runtime.autotuner import Autotuner
 
-from ._autotuner import PlanAutotuner
+from ._autotuner import adopt
 
 try:
     import fcntl
@@ -158,7 +158,6 @@ def attach(tuner: Any, fingerprint: str, entry: str) -> Any:
             # A read-only home: tuning still works, it is just not remembered.
             _warn_once("store", path, "cannot store tuning results in %s: %s", path, exc)
 
-    if not isinstance(tuner, PlanAutotuner):
-        tuner.__class__ = PlanAutotuner
+    tuner = adopt(tuner)
     tuner.store = store
     return tuner

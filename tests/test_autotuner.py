@@ -102,3 +102,38 @@ def test_the_first_pick_stands_when_retiming_cannot_run(cache_dir, device, monke
     stored = json.loads(tuning_cache.path_for(fake_device().fingerprint).read_text())
     assert list(stored["vector_add/generic/_vector_add_kernel"].values()) == [
         tuning_cache.config_id(kernel.best_config)]
+
+
+def test_a_plan_autotuner_runs_one_call_at_a_time(monkeypatch):
+    """Triton's Autotuner.run keeps the launch's arguments in self.nargs and clears them at
+    the end, so calls from several threads at once broke each other on the GPU ("'NoneType'
+    object is not a mapping"); a plan's autotuner, one config or several, lets one call in
+    at a time. (On the CPU the interpreter's lock serializes whole launches anyway, so the
+    race itself only shows on GPUs: this checks the autotuner's own exclusion.)"""
+    import threading
+    import time
+
+    from triton.runtime.autotuner import Autotuner
+
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def run(self, *args, **kwargs):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)
+        with lock:
+            inside[0] -= 1
+
+    monkeypatch.setattr(Autotuner, "run", run)
+    for configs in (CONFIGS[:1], CONFIGS):
+        plan = LaunchPlan(Variant("vector_add", "generic", vector_add.launch), fake_device(), configs, {})
+        kernel = plan.autotuned(vector_add._vector_add_kernel, key=["n_elements"])
+        most[0] = 0
+        threads = [threading.Thread(target=kernel.run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert most[0] == 1, f"{len(configs)} config(s): {most[0]} calls inside run at once"
