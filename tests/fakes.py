@@ -75,3 +75,36 @@ class FakeBackend:
 
 def meta(n=16, dtype=torch.float32):
     return torch.empty(3, n, device="meta", dtype=dtype)
+
+
+def tuned_configs():
+    import triton
+
+    return [triton.Config({"BLOCK_SIZE": 256}, num_warps=1), triton.Config({"BLOCK_SIZE": 512}, num_warps=1)]
+
+
+def tuned_vector_add(device, bench_calls: list, plan=None, n: int = 1000):
+    """A real vector_add launch through a plan's autotuner over :func:`tuned_configs`,
+    as a GPU launch is tuned, with a deterministic timer that appends to ``bench_calls``
+    and prefers the config timed last (the larger block). Returns the autotuner."""
+    import triton
+
+    from portable_kernels import Variant
+    from portable_kernels.kernels import vector_add
+    from portable_kernels.launch import LaunchPlan
+
+    if plan is None:
+        plan = LaunchPlan(Variant("vector_add", "generic", vector_add.launch), fake_device(),
+                          tuned_configs(), {})
+
+    def do_bench(kernel_call, quantiles=None):
+        bench_calls.append(1)
+        kernel_call()
+        return [1.0 / len(bench_calls)] * 3
+
+    kernel = plan.autotuned(vector_add._vector_add_kernel, key=["n_elements"], do_bench=do_bench)
+    x = torch.randn(n, device=device)
+    out = torch.empty_like(x)
+    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)](x, x, out, n)
+    torch.testing.assert_close(out, 2 * x)
+    return kernel

@@ -16,15 +16,14 @@ from typing import NamedTuple
 
 import pytest
 import torch
-import triton
 
 import portable_kernels as pk
 from portable_kernels import KernelSpec, Variant, cli, hookimpl, tuning_cache
 from portable_kernels.errors import InputError, VariantUnavailableError
 from portable_kernels.kernels import vector_add
-from portable_kernels.launch import LaunchPlan
 
-from fakes import FakeBackend, fake_config, fake_device, launcher, meta, probe_problem
+from fakes import (FakeBackend, fake_config, fake_device, launcher, meta, probe_problem,
+                   tuned_configs, tuned_vector_add)
 
 
 def _failures(host) -> dict[tuple[str, str], str]:
@@ -290,7 +289,7 @@ class _TwiceProblem(NamedTuple):
 
 # --- a broken tuning cache ------------------------------------------------------------------
 
-CONFIGS = [triton.Config({"BLOCK_SIZE": 256}, num_warps=1), triton.Config({"BLOCK_SIZE": 512}, num_warps=1)]
+CONFIGS = tuned_configs()
 ENTRY = "vector_add/generic/_vector_add_kernel"
 
 
@@ -303,18 +302,7 @@ def cache(tmp_path, monkeypatch):
 
 def _tuned_launch(device, timed: list) -> None:
     """A real launch through an autotuner over two configs, as a GPU launch is tuned."""
-    plan = LaunchPlan(Variant("vector_add", "generic", vector_add.launch), fake_device(), CONFIGS, {})
-
-    def do_bench(kernel_call, quantiles=None):
-        timed.append(1)
-        kernel_call()
-        return [1.0 / len(timed)] * 3
-
-    kernel = plan.autotuned(vector_add._vector_add_kernel, key=["n_elements"], do_bench=do_bench)
-    x = torch.randn(300, device=device)
-    out = torch.empty_like(x)
-    kernel[lambda meta: (triton.cdiv(300, meta["BLOCK_SIZE"]),)](x, x, out, 300)
-    torch.testing.assert_close(out, 2 * x)
+    tuned_vector_add(device, timed, n=300)
 
 
 @pytest.mark.parametrize("content", [

@@ -15,7 +15,7 @@ from portable_kernels import Variant, cli, tuning_cache
 from portable_kernels.launch import LaunchPlan
 from portable_kernels.kernels import vector_add
 
-from fakes import fake_device
+from fakes import fake_device, tuned_configs, tuned_vector_add
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-CONFIGS = [triton.Config({"BLOCK_SIZE": 256}, num_warps=1), triton.Config({"BLOCK_SIZE": 512}, num_warps=1)]
+CONFIGS = tuned_configs()
 
 
 def _plan(device_name="Tuned Fake"):
@@ -35,18 +35,7 @@ def _plan(device_name="Tuned Fake"):
 
 
 def _launch(plan, bench_calls, device):
-    def do_bench(kernel_call, quantiles=None):
-        bench_calls.append(1)
-        kernel_call()
-        # A deterministic "timing" that prefers the larger block, so the test knows the winner.
-        return [1.0 / len(bench_calls)] * 3
-
-    kernel = plan.autotuned(vector_add._vector_add_kernel, key=["n_elements"], do_bench=do_bench)
-    x = torch.randn(1000, device=device)
-    out = torch.empty_like(x)
-    kernel[lambda meta: (triton.cdiv(1000, meta["BLOCK_SIZE"]),)](x, x, out, 1000)
-    torch.testing.assert_close(out, 2 * x)
-    return kernel
+    return tuned_vector_add(device, bench_calls, plan)
 
 
 def test_results_persist_across_plans(cache_dir, device):
