@@ -13,7 +13,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], max_width: i
     """
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    limit = max_width or shutil.get_terminal_size((120, 24)).columns
+    limit = max_width or shutil.get_terminal_size((100, 24)).columns
     fixed = sum(widths[:-1]) + 2 * (len(widths) - 1)
     if fixed + widths[-1] > limit and limit - fixed > 20:
         widths[-1] = limit - fixed

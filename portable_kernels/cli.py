@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import sys
+import textwrap
 from typing import Callable
 
 import torch
@@ -101,7 +102,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if info is None:
         print(f"Device: unavailable: {out['device_error']}")
     else:
-        emu = f" [emulated profile {info.emulated!r}; kernels run on the real device]" if info.emulated else ""
+        emu = f" [emulating {info.emulated!r}; kernels run on the real device]" if info.emulated else ""
         print(f"Device: {info.name} ({info.vendor} {info.arch}){emu}")
         if info.has("interpreter"):
             # num_sms counts CPU cores here, and the interpreter has no shared memory to size.
@@ -111,13 +112,16 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"  warp size {info.warp_size} · {info.num_sms} SMs/CUs · "
                   f"shared memory {info.shared_memory} B/program · triton {info.triton_version}")
         print(f"  fingerprint {info.fingerprint}")
+        if info.evidence:
+            print(f"  kernels on {info.arch}: {info.evidence}")
         print(_capability_heading(info))
         print(table(["capability", "meaning"],
                     [(c, CAPABILITIES.get(c, "")) for c in sorted(info.capabilities)]))
     print()
     print("Plugins" + ("" if host.autoload else " (entry-point autoload off: PK_DISABLE_PLUGIN_AUTOLOAD)") + ":")
     print(table(["plugin", "source"], [(p["name"], p["source"]) for p in out["plugins"]]) if out["plugins"] else "  none")
-    print(f"Emulation profiles: {', '.join(out['emulation_profiles']) or 'none'}")
+    print(textwrap.fill(f"Emulation profiles: {', '.join(out['emulation_profiles']) or 'none'}",
+                        width=100, subsequent_indent="  "))
     if host.failures:
         print()
         print("Failed plugins (skipped; a failing variant callback sets aside only that variant):")
@@ -154,14 +158,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(kernels, indent=2, default=str))
         return 0
+    if args.verbose:  # every signature and technique in full, wrapped
+        for k in kernels:
+            print(k["signature"])
+            print(textwrap.fill(k["summary"], width=100, initial_indent="  ", subsequent_indent="  "))
+            for v in k["variants"] or [{"name": "-", "plugin": "-", "requires": [], "description": "no variants registered"}]:
+                print(f"  {v['name']} [{v['plugin']}] requires {', '.join(v['requires']) or 'nothing'}")
+                print(textwrap.fill(v["description"], width=100, initial_indent="    ",
+                                    subsequent_indent="    "))
+            print()
+        return 0
     rows = []
     for k in kernels:
         for i, v in enumerate(k["variants"]):
-            rows.append((k["signature"] if i == 0 else "", v["name"], v["plugin"],
-                         ", ".join(v["requires"]) or "-", v["description"]))
+            # The catalog's own variants: "catalog" (the table fits 100 columns).
+            plugin = v["plugin"].removeprefix("portable_kernels.")
+            rows.append((k["kernel"] if i == 0 else "", v["name"], plugin, ", ".join(v["requires"]) or "-"))
         if not k["variants"]:
-            rows.append((k["signature"], "-", "-", "-", "no variants registered"))
-    print(table(["kernel", "variant", "plugin", "requires", "technique"], rows))
+            rows.append((k["kernel"], "-", "-", "no variants registered"))
+    print(table(["kernel", "variant", "plugin", "requires"], rows))
+    print("\nSignatures and each variant's technique: portable-kernels list --verbose (or --json).")
     return 0
 
 
@@ -186,6 +202,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         where += f", emulated as {dev.emulated!r}; kernels run on {sel.executor.name}"
     print(f"{sel.kernel} on {where}")
     print(f"chosen: {sel.variant}: {sel.reason}")
+    if dev.evidence:
+        print(f"kernels on {dev.arch}: {dev.evidence}")
     print("(no call arguments given: per-problem predicates, such as alignment, are not checked)")
     print()
     print(table(["variant", "plugin", "priority", "status", "reason"],
@@ -198,7 +216,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "info": ("the device, its capabilities, plugins, and the variant each kernel would run",
              lambda p: (_device_arg(p), _json_arg(p)), cmd_info),
-    "list": ("every kernel and its registered variants", _json_arg, cmd_list),
+    "list": ("every kernel and its registered variants",
+             lambda p: (_json_arg(p), p.add_argument(
+                 "--verbose", action="store_true", help="signatures and techniques in full")),
+             cmd_list),
     "explain": ("which variant of KERNEL runs here and why the others do not",
                 lambda p: (p.add_argument("kernel"), _device_arg(p), _json_arg(p)), cmd_explain),
 }

@@ -32,11 +32,14 @@ CAPABILITIES: dict[str, str] = {
     "interpreter": "kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1), not compiled",
     "mma": "tensor-core / matrix-core dots (tl.dot lowers to MMA instructions)",
     "wgmma": "Hopper warpgroup MMA (asynchronous, operands in shared memory)",
+    "tcgen05": "Blackwell fifth-generation tensor cores (tcgen05.mma, accumulators in tensor memory)",
     "tensor_descriptor": "TMA-style tensor descriptors: tl.make_tensor_descriptor and host "
     "TensorDescriptor, loaded by a copy engine",
     "warp_specialize": "tl.range(..., warp_specialize=True): producer/consumer warp groups",
     "bf16": "bfloat16 tensors can be loaded, stored and converted",
-    "fp8": "float8 (e4m3/e5m2) dots",
+    "fp8": "float8 dots in the OCP formats (float8_e4m3fn, float8_e5m2)",
+    "fp8_fnuz": "float8 dots in the fnuz formats (float8_e4m3fnuz, float8_e5m2fnuz: no negative "
+    "zero, one NaN, bias 8/16), as on AMD CDNA3",
     "fp64": "float64 arithmetic",
     "atomics": "global-memory atomics including atomic_cas/atomic_xchg spin locks",
     "libdevice": "triton.language.extra.libdevice math functions",
@@ -84,6 +87,11 @@ class DeviceInfo:
         capabilities: words from :data:`CAPABILITIES`.
         backend: the plugin that detected the device.
         emulated: the profile name when this info comes from emulation, else ``None``.
+        evidence: what the backend's kernels have been through on this architecture, in
+            one line: starting ``"run: "`` where its tests executed on such a device, else
+            what was done instead (``"compiled for gfx942 (ci/compile_matrix.py), not
+            run"``), so that no one mistakes a compile check for a test. Shown by
+            ``explain``, ``info`` and conformance reports; ``""`` says nothing.
     """
 
     vendor: str
@@ -96,6 +104,7 @@ class DeviceInfo:
     capabilities: frozenset[str]
     backend: str = ""
     emulated: str | None = None
+    evidence: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
@@ -106,6 +115,13 @@ class DeviceInfo:
         """A stable string naming this kind of device and toolchain (cache keys, reports)."""
         name = self.name.replace(" ", "_")
         return f"{self.vendor}-{self.arch}-{name}-{self.num_sms}sm-triton{self.triton_version}"
+
+    @property
+    def has_run(self) -> bool:
+        """True where the backend says its kernels have executed on this architecture
+        (``evidence`` starts with ``"run: "``); False where it says they have not, or
+        says nothing."""
+        return self.evidence.startswith("run: ")
 
     def has(self, *capabilities: str) -> bool:
         """True when the device has every capability named."""

@@ -94,6 +94,8 @@ class Selection:
         if dev.emulated:
             where += f", emulated as {dev.emulated!r} on {self.executor.name}"
         lines = [f"{self.kernel} on {where}: {self.variant}", f"  why: {self.reason}"]
+        if dev.evidence:
+            lines.append(f"  on {dev.arch}: {dev.evidence}")
         for v in self.verdicts[1:]:
             mark = "runnable" if v.runnable else "rejected"
             lines.append(f"  {v.name} [{v.plugin}, priority {v.priority}] {mark}: {v.reason}")

@@ -45,6 +45,8 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     ("dot", torch.bfloat16): Tolerance(1e-1, 5e-2),
     ("dot", torch.float8_e4m3fn): Tolerance(1e-2, 1.6e-2),
     ("dot", torch.float8_e5m2): Tolerance(1e-2, 1.6e-2),
+    ("dot", torch.float8_e4m3fnuz): Tolerance(1e-2, 1.6e-2),  # the same mantissas as OCP's
+    ("dot", torch.float8_e5m2fnuz): Tolerance(1e-2, 1.6e-2),
     ("attention", torch.float32): Tolerance(1e-2, 1e-2),
     ("attention", torch.float16): Tolerance(1e-2, 1e-2),
     ("attention", torch.bfloat16): Tolerance(5e-2, 5e-2),

@@ -83,7 +83,11 @@ def test_console_script_is_installed():
 def test_list(capsys, fresh_host):
     fresh_host()
     code, out, _ = run_cli(capsys, "list")
+    assert code == 0 and "softmax" in out and "catalog" in out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    code, out, _ = run_cli(capsys, "list", "--verbose")
     assert code == 0 and "softmax(x, dim=-1) -> out" in out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
     code, out, _ = run_cli(capsys, "list", "--json")
     names = {k["kernel"] for k in json.loads(out)}
     assert {"softmax", "vector_add"} <= names

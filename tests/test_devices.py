@@ -69,7 +69,8 @@ def test_rocm_cdna_is_wave64(cuda_device):
     cuda_device(_props("AMD Instinct MI300X", 9, 4, 304, "gfx942:sramecc+:xnack-"), hip="6.2")
     info = _detect()
     assert (info.vendor, info.arch, info.warp_size) == ("amd", "gfx942", 64)
-    assert info.has("wave64", "fp8") and not info.has("tensor_descriptor")
+    # CDNA3's fp8 is the fnuz encoding, not NVIDIA's OCP one.
+    assert info.has("wave64", "fp8_fnuz") and not info.has("fp8") and not info.has("tensor_descriptor")
 
 
 def test_rocm_rdna_is_wave32(cuda_device):

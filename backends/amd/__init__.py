@@ -2,9 +2,12 @@
 
 Detection: ``torch.version.hip`` is set (``tryfirst``, ahead of the NVIDIA backend). The
 architecture is the ``gcnArchName`` (``gfx942``); CDNA parts (gfx9xx) run 64-lane
-wavefronts (``wave64``), RDNA parts 32-lane ones.
+wavefronts (``wave64``), RDNA parts 32-lane ones. fp8 comes in two encodings: CDNA3
+(gfx940-942) has the fnuz formats (``fp8_fnuz``: torch's ``float8_e4m3fnuz`` and
+``float8_e5m2fnuz``), CDNA4 (gfx950) the OCP ones of NVIDIA (``fp8``: ``float8_e4m3fn``,
+``float8_e5m2``); Triton's AMD backend compiles only those dots there. RDNA3 has neither.
 
-Emulation profiles: ``mi300x``, ``mi250x``.
+Emulation profiles: ``mi250x``, ``mi300x``, ``mi355x``, ``rx7900xtx`` (RDNA3).
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ def capabilities(arch: str) -> frozenset[str]:
     caps = {"mma", "bf16", "fp64", "atomics", "libdevice"}
     if is_cdna(arch):
         caps.add("wave64")
-    if arch in ("gfx940", "gfx941", "gfx942", "gfx950"):
+    if arch in ("gfx940", "gfx941", "gfx942"):
+        caps.add("fp8_fnuz")
+    if arch == "gfx950":
         caps.add("fp8")
     return frozenset(caps)
 
@@ -31,6 +36,18 @@ def capabilities(arch: str) -> frozenset[str]:
 def is_cdna(arch: str) -> bool:
     """CDNA (Instinct) parts are gfx9xx; their wavefronts are 64 lanes wide."""
     return arch.startswith("gfx9")
+
+
+#: ci/compile_matrix.py's AMD targets. No AMD GPU has run these kernels here: the AMD
+#: variants were tested by forcing them on the CPU interpreter and an H200.
+COMPILED_FOR = ("gfx90a", "gfx942", "gfx950", "gfx1100")
+
+
+def evidence(arch: str) -> str:
+    """What this backend's kernels have been through on ``arch`` (``DeviceInfo.evidence``)."""
+    if arch in COMPILED_FOR:
+        return f"compiled for {arch} (ci/compile_matrix.py), not run"
+    return "not compiled for or run on by this project: a conformance run is its first test"
 
 
 def _info(name: str, arch: str, num_cus: int, lds: int) -> DeviceInfo:
@@ -44,6 +61,7 @@ def _info(name: str, arch: str, num_cus: int, lds: int) -> DeviceInfo:
         triton_version=_common.triton_version(),
         capabilities=capabilities(arch),
         backend=VENDOR,
+        evidence=evidence(arch),
     )
 
 
@@ -59,8 +77,12 @@ def pk_detect_device(device):
 @hookimpl
 def pk_emulation_profiles():
     return {
-        "mi300x": _info("AMD Instinct MI300X", "gfx942", 304, 65536),
+        # LDS: 64 KB per workgroup on CDNA2/3 and RDNA3, 160 KB on CDNA4.
         "mi250x": _info("AMD Instinct MI250X", "gfx90a", 110, 65536),
+        "mi300x": _info("AMD Instinct MI300X", "gfx942", 304, 65536),
+        "mi355x": _info("AMD Instinct MI355X", "gfx950", 256, 163840),
+        # 96 compute units, reported by ROCm as 48 workgroup processors of two each.
+        "rx7900xtx": _info("AMD Radeon RX 7900 XTX", "gfx1100", 48, 65536),
     }
 
 

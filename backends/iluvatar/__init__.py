@@ -38,6 +38,8 @@ def _info(name: str, major: int, minor: int, num_sms: int, shared_memory: int) -
         triton_version=_common.triton_version(),
         capabilities=CAPABILITIES,
         backend=VENDOR,
+        # Triton has no CoreX target to compile for without the vendor's toolchain.
+        evidence="not compiled or run: V1/V2 were tested forced on the interpreter and an H200",
     )
 
 

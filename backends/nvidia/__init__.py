@@ -2,14 +2,21 @@
 
 Detection: any ``torch.cuda`` device that neither the AMD (``torch.version.hip``) nor the
 Iluvatar backend claimed (both detect ``tryfirst``; this one runs ``trylast``).
-Capabilities follow the compute capability: ``mma`` from sm_70, ``bf16`` from sm_80,
-``fp8`` from sm_89, and ``wgmma``, ``tensor_descriptor`` and ``warp_specialize`` from sm_90.
+Capabilities follow the architecture, not a threshold: ``mma`` from sm_70, ``bf16`` from
+sm_80, ``fp8`` from sm_89, ``tensor_descriptor`` (TMA) from sm_90; ``wgmma`` on Hopper (9.x)
+only, ``tcgen05`` (tensor memory) on datacenter Blackwell (10.x); ``warp_specialize`` where
+Triton's warp specialization has a schedule (9.x and 10.x). Consumer Blackwell (12.x, RTX
+50xx) has TMA and fp8 but neither wgmma nor tcgen05: ``tl.dot`` lowers to ``mma.sync`` there,
+as on Ampere and Ada.
 
-Emulation profiles: ``h100``, ``h200``, ``a100``.
+Emulation profiles: ``a100``, ``l40s``, ``h100``, ``h200``, ``b200``, ``rtx5090``.
 
 ``nvidia.hopper_gluon`` ranks above ``nvidia.hopper`` (flash_attn) and
 ``nvidia.persistent_tma`` (matmul) and takes only sm_90 and the problems its Gluon kernels
-cover; the rest go to those.
+cover; the rest go to those. ``nvidia.blackwell`` runs ``nvidia.hopper``'s attention
+kernels on sm_100 with a table of its own (warp-specialized tiles on); ``nvidia.persistent_tma``
+and grouped_matmul's ``nvidia.tma`` serve sm_90 and sm_100 alike, each with its table.
+The sm_100 tables are compiled by ``ci/compile_matrix.py`` but have not run on a B200.
 """
 from __future__ import annotations
 
@@ -34,14 +41,34 @@ def capabilities(major: int, minor: int) -> frozenset[str]:
     if cc >= (8, 9):
         caps.add("fp8")
     if cc >= (9, 0):
-        caps |= {"wgmma", "tensor_descriptor", "warp_specialize"}
+        caps.add("tensor_descriptor")
+    if major == 9:
+        caps |= {"wgmma", "warp_specialize"}
+    if major == 10:
+        caps |= {"tcgen05", "warp_specialize"}
     return frozenset(caps)
 
 
+#: Architectures this backend's kernels have executed on, and how (the rest of
+#: ci/compile_matrix.py's targets are compiled for, not run).
+RUN_ON = {"sm_90": "run: the test suite, the conformance suite and the benchmarks on an H200"}
+COMPILED_FOR = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")
+
+
+def evidence(arch: str) -> str:
+    """What this backend's kernels have been through on ``arch`` (``DeviceInfo.evidence``)."""
+    if arch in RUN_ON:
+        return RUN_ON[arch]
+    if arch in COMPILED_FOR:
+        return f"compiled for {arch} (ci/compile_matrix.py), not run"
+    return "not compiled for or run on by this project: a conformance run is its first test"
+
+
 def _info(name: str, major: int, minor: int, num_sms: int, shared_memory: int) -> DeviceInfo:
+    arch = f"sm_{major}{minor}"
     return DeviceInfo(
         vendor=VENDOR,
-        arch=f"sm_{major}{minor}",
+        arch=arch,
         name=name,
         warp_size=32,
         num_sms=num_sms,
@@ -49,6 +76,7 @@ def _info(name: str, major: int, minor: int, num_sms: int, shared_memory: int) -
         triton_version=_common.triton_version(),
         capabilities=capabilities(major, minor),
         backend=VENDOR,
+        evidence=evidence(arch),
     )
 
 
@@ -63,9 +91,13 @@ def pk_detect_device(device):
 @hookimpl
 def pk_emulation_profiles():
     return {
+        # Shared memory: the opt-in maximum per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+        "a100": _info("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912),
+        "l40s": _info("NVIDIA L40S", 8, 9, 142, 101376),
         "h100": _info("NVIDIA H100 80GB HBM3", 9, 0, 132, 232448),
         "h200": _info("NVIDIA H200", 9, 0, 132, 232448),
-        "a100": _info("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912),
+        "b200": _info("NVIDIA B200", 10, 0, 148, 232448),
+        "rtx5090": _info("NVIDIA GeForce RTX 5090", 12, 0, 170, 101376),
     }
 
 
@@ -76,10 +108,17 @@ def pk_tuning_configs(kernel, variant, device):
     return tuning.configs(kernel, variant.name, device)
 
 
+def _tma_priority(device: DeviceInfo) -> int:
+    """First where the MMAs read their operands from shared memory that TMA fills
+    (Hopper's wgmma, datacenter Blackwell's tcgen05). Elsewhere below generic: on sm_120
+    (TMA, but ``mma.sync`` from registers) and under the interpreter (which also runs
+    descriptors and warp-specialized loops) the variant stays runnable, and testable when
+    forced with ``use_variant``, but is never chosen."""
+    return 100 if device.has("wgmma") or device.has("tcgen05") else -10
+
+
 def _hopper_priority(device: DeviceInfo) -> int:
-    """First where wgmma exists (Hopper and later). Elsewhere below generic: the
-    interpreter also runs descriptors and warp-specialized loops, so the variant stays
-    runnable (and testable when forced with ``use_variant``) but is never chosen."""
+    """First on Hopper; on Blackwell ``nvidia.blackwell`` takes its place."""
     return 100 if device.has("wgmma") else -10
 
 
@@ -104,13 +143,14 @@ def pk_register_variants(registry):
 
     registry.add_variant(Variant(
         "matmul", "nvidia.persistent_tma", matmul.launch,
-        requires={"tensor_descriptor", "warp_specialize"}, priority=_hopper_priority,
+        requires={"tensor_descriptor", "warp_specialize"}, priority=_tma_priority,
         accepts=matmul.tma_accepts,
         switches={"TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True, "UPCAST": False},
         configs=tuning.matmul_persistent_tma,
         description="persistent grid of min(SMs, tiles) in grouped order; TMA loads and "
         "stores through device-side tensor descriptors; warp-specialized K loop; epilogue "
-        "subtiling; split-K where the output has too few tiles"))
+        "subtiling; split-K where the output has too few tiles; sm_90 and sm_100 (on "
+        "sm_100 with a table of its own, compiled but not yet run on one)"))
     registry.add_variant(Variant(
         "matmul", "nvidia.hopper_gluon", matmul.launch,
         requires={"tensor_descriptor", "warp_specialize", "wgmma"}, priority=110,
@@ -125,7 +165,7 @@ def pk_register_variants(registry):
         "MIN_TILES output tiles (else nvidia.persistent_tma, with the reason in explain)"))
     registry.add_variant(Variant(
         "grouped_matmul", "nvidia.tma", grouped_matmul.launch,
-        requires={"tensor_descriptor"}, priority=_hopper_priority,
+        requires={"tensor_descriptor"}, priority=_tma_priority,
         accepts=grouped_matmul.tma_accepts, switches={"TMA": True, "UPCAST": False},
         configs=tuning.grouped_matmul_tma,
         description="persistent grid over every group's tiles; device-side tensor "
@@ -161,3 +201,14 @@ def pk_register_variants(registry):
         "fp16/bf16, D 64 or 128, aligned strides, Nk >= 2048 at D=64, >= 1024 at D=128 "
         "(else nvidia.hopper, with the reason in explain); below 2048 keys its backward is "
         "nvidia.hopper's Triton kernels"))
+    registry.add_variant(flash_attn.variant(
+        "nvidia.blackwell", requires={"tensor_descriptor", "warp_specialize", "tcgen05"},
+        priority=100, accepts=flash_attn.tma_accepts,
+        # Triton lowers tl.dot to tcgen05 on sm_100 and schedules warp-specialized loops
+        # there (its fused-attention tutorial does): the switch that triton 3.6 broke on
+        # sm_90 is on in this table's warp-specialized configs.
+        switches={"TMA": True, "WARP_SPECIALIZE": False}, configs=tuning.flash_attn_blackwell,
+        description="nvidia.hopper's descriptor kernels for datacenter Blackwell (sm_100, "
+        "tcgen05 MMAs): warp-specialized and pipelined forward tiles of its own table; "
+        "compiled for sm_100 by ci/compile_matrix.py, not yet run on one; fp16/bf16, D 64 "
+        "or 128, 16-byte aligned strides (else generic, with the reason in explain)"))

@@ -42,7 +42,7 @@ import torch
 
 import portable_kernels as pk
 from portable_kernels import __version__, _direct, dispatch, plugins, testing
-from portable_kernels.errors import PluginError, VariantUnavailableError
+from portable_kernels.errors import DTypeError, PluginError, VariantUnavailableError
 
 __all__ = [
     "BACKWARD",
@@ -539,13 +539,15 @@ class CaseRun:
         """Why the variant cannot run these inputs on this device, per dispatch, or None."""
         case = self.case
         spec = plugins.host().registry.spec(case.kernel)
+        problem = spec.problem(*inputs.args, **inputs.kwargs)
         try:
-            problem = spec.problem(*inputs.args, **inputs.kwargs)
             with pk.use_variant(**{case.kernel: case.variant}):
                 selection = dispatch.select(case.kernel, problem, problem.device)
         except VariantUnavailableError as exc:
             found = _UNAVAILABLE.search(str(exc))
             return found.group(1) if found else str(exc)
+        except DTypeError as exc:  # a dtype of the other fp8 encoding than this device's
+            return str(exc)
         variant = plugins.host().registry.variants[case.kernel][case.variant]
         missing = variant.missing(selection.executor)
         if missing:  # while emulating: selection saw the profile, this device executes

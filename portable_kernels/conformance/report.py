@@ -285,7 +285,10 @@ def _device_line(report: dict) -> str:
     if not d:
         return f"device unavailable: {report.get('device_error') or 'unknown'}"
     emu = f", emulating {d['emulated']!r}" if d.get("emulated") else ""
-    return f"{d['name']} ({d['vendor']} {d['arch']}{emu}) on {', '.join(report['torch_devices']) or '?'}"
+    line = f"{d['name']} ({d['vendor']} {d['arch']}{emu}) on {', '.join(report['torch_devices']) or '?'}"
+    # The backend's record for the architecture before this run (a report from such a
+    # device is itself the first run there).
+    return line + (f"; before this run: {d['evidence']}" if d.get("evidence") else "")
 
 
 def _summary_line(summary: dict) -> str:
@@ -448,7 +451,15 @@ def _short(cell_dict: dict | None) -> str:
 
 def _device_title(d: dict) -> str:
     dev = d.get("device")
-    return f"{dev['name']} ({dev['arch']})" if dev else d["fingerprint"]
+    if not dev:
+        return d["fingerprint"]
+    # An emulated profile's report ran on another device: say when the backend's kernels
+    # have not run on its architecture (compiled for it, or not even that).
+    evidence = str(dev.get("evidence") or "")
+    note = ""
+    if dev.get("emulated") and evidence and not evidence.startswith("run: "):
+        note = ", compiled, not run" if evidence.startswith("compiled for") else ", not run"
+    return f"{dev['name']} ({dev['arch']}{note})"
 
 
 def merged_text(merged: dict, width: int | None = None) -> str:

@@ -1,6 +1,6 @@
 """Conformance of ``matmul(a, b)``: every variant, dtype and shape below. Variants that
 need aligned rows (tensor descriptors) skip the shapes they do not accept, saying why, and
-fp8 cases skip on devices without the ``fp8`` capability."""
+fp8 cases skip on devices without the case's encoding (``fp8`` for OCP, ``fp8_fnuz``)."""
 from __future__ import annotations
 
 import torch

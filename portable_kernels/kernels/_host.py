@@ -14,8 +14,13 @@ from ..device import DeviceInfo
 from ..errors import ArgumentError, DTypeError, InputError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: The 8-bit float formats of ``tl.dot`` (OCP e4m3 and e5m2), for kernels that take them.
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: The 8-bit float formats of ``tl.dot``: the OCP ones (NVIDIA from sm_89, AMD gfx950:
+#: capability ``fp8``) and the fnuz ones of AMD CDNA3 (gfx942: ``fp8_fnuz``; no negative
+#: zero, one NaN, exponent bias one larger, so e4m3fnuz tops out at 240 where e4m3fn
+#: reaches 448).
+FP8_OCP = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+FP8_DTYPES = FP8_OCP + FP8_FNUZ
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -110,12 +115,29 @@ def check_same_shape(kernel: str, **tensors: torch.Tensor) -> None:
 
 
 def dtype_supported(problem: Any, device: DeviceInfo) -> str | None:
-    """A variant predicate: bf16 problems need the device's ``bf16`` capability, and fp8
-    problems its ``fp8`` one."""
-    if problem.dtype == torch.bfloat16 and not device.has("bf16"):
+    """A variant predicate: bf16 problems need the device's ``bf16`` capability, OCP fp8
+    ones its ``fp8`` and fnuz fp8 ones its ``fp8_fnuz``.
+
+    Raises:
+        DTypeError: fp8 of the other encoding than the device computes (e4m3fn on an
+            MI300X, e4m3fnuz on an H100): no variant anywhere could take it, and the
+            conversion the user needs is named.
+    """
+    dtype = problem.dtype
+    if dtype == torch.bfloat16 and not device.has("bf16"):
         return f"bfloat16 inputs need the bf16 capability, which {device.name} lacks"
-    if problem.dtype in FP8_DTYPES and not device.has("fp8"):
-        return (f"{_dtype_name(problem.dtype)} inputs need the fp8 capability (float8 dots), "
+    if dtype in FP8_DTYPES:
+        word, other, other_dtypes = (("fp8", "fp8_fnuz", FP8_FNUZ) if dtype in FP8_OCP
+                                     else ("fp8_fnuz", "fp8", FP8_OCP))
+        if device.has(word):
+            return None
+        if device.has(other):
+            names = " and ".join(_dtype_name(d) for d in other_dtypes)
+            raise DTypeError(
+                f"{_dtype_name(dtype)} is not an fp8 format {device.name} ({device.arch}) "
+                f"computes: its fp8 dots take {names} (convert with .to(torch.{_dtype_name(other_dtypes[0])}); "
+                "e4m3fn reaches 448 and e4m3fnuz 240, so rescale values above 240 first)")
+        return (f"{_dtype_name(dtype)} inputs need the {word} capability (float8 dots), "
                 f"which {device.name} lacks")
     return None
 

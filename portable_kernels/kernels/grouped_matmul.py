@@ -49,7 +49,8 @@ from .matmul import OPERAND_DTYPES, TMA_DTYPES, fit_tiles, operand_configs, out_
 NAME = "grouped_matmul"
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-              torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+              torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5,
+              torch.float8_e4m3fnuz: tl.float8e4b8, torch.float8_e5m2fnuz: tl.float8e5b16}
 
 # int64 values per group in the table: the addresses of a, b and c, then M, N, K, then
 # stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn.
@@ -286,7 +287,7 @@ def _prune(configs: list, nargs: dict, **kwargs) -> list:
 def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[a @ b for a, b in zip(list_a, list_b)]`` in one launch. Each ``a`` is (M_g, K_g),
     each ``b`` (K_g, N_g), any strides, all of one dtype (fp16, bf16, fp32, or fp8
-    e4m3/e5m2 on devices with the ``fp8`` capability) and device; fp32 accumulation.
+    e4m3/e5m2 in the device's encoding: OCP with ``fp8``, fnuz with ``fp8_fnuz``) and device; fp32 accumulation.
     Returns new contiguous (M_g, N_g) tensors of that dtype, bf16 for fp8 operands (as
     ``matmul``; no scales are applied). fp8 products take sm_90's fp8 MMAs on the
     descriptor path with every ``b`` column-major (``w.t()`` of (N, K) weights); elsewhere

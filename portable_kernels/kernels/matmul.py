@@ -1,8 +1,9 @@
 """matmul: ``out = a @ b`` for 2-D ``a`` (M, K) and ``b`` (K, N), any sizes, fp32 accumulation.
 
-Operands: fp16, bf16 or fp32, and the output has their dtype; or fp8 (``float8_e4m3fn``,
-``float8_e5m2``, both operands the same) on devices with the ``fp8`` capability, and then
-the output is bf16: an fp8 output could hold neither the range nor the precision of a
+Operands: fp16, bf16 or fp32, and the output has their dtype; or fp8, both operands the
+same, in the device's encoding (``float8_e4m3fn`` or ``float8_e5m2`` with the ``fp8``
+capability; ``float8_e4m3fnuz`` or ``float8_e5m2fnuz`` with ``fp8_fnuz``, AMD CDNA3; the
+other encoding is refused with the conversion to make), and then the output is bf16: an fp8 output could hold neither the range nor the precision of a
 K-long sum. No scales are applied; for per-tensor scaled fp8 (``torch._scaled_mm``'s
 ``scale_a * scale_b``), multiply the output by the product of the scales.
 
@@ -449,7 +450,7 @@ def chosen_config(plan, a: torch.Tensor, b: torch.Tensor) -> dict | None:
 
 def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for ``a`` (M, K) and ``b`` (K, N) of one dtype (fp16, bf16, fp32, or fp8
-    e4m3/e5m2), any strides; accumulates in fp32 (tf32 dots for fp32 on NVIDIA GPUs).
+    e4m3/e5m2 in the device's encoding, OCP or fnuz), any strides; accumulates in fp32 (tf32 dots for fp32 on NVIDIA GPUs).
     Returns a new contiguous (M, N) tensor of that dtype, or bf16 for fp8 operands."""
     _check(a, b)
     M, K = a.shape
