@@ -27,8 +27,14 @@ def _gemm(device: DeviceInfo, bm: int, bn: int, bk: int, warps: int, group: int 
 
 
 def _matmul(device: DeviceInfo) -> list[triton.Config]:
-    return [
-        _gemm(device, 256, 256, 64, 8, group=4, waves_per_eu=2),
+    if not device.has("wave64"):
+        return _rdna_gemms(device)
+    # Registers decide (ci/compile_matrix.py, VGPRs a lane): 256x256 with waves_per_eu=2
+    # fits gfx942 (244) but spilled 17 on gfx90a and 53 on gfx950, also with the
+    # compiler's own cap, so only gfx942 has it. kpack=2 (two k-packs per MFMA operand
+    # load, in ROCm's MI300 GEMM tables) made that tile spill 18-32 on gfx942: not used.
+    big = [_gemm(device, 256, 256, 64, 8, group=4, waves_per_eu=2)] if device.arch == "gfx942" else []
+    return big + [
         _gemm(device, 256, 128, 64, 8, group=4, waves_per_eu=2),
         _gemm(device, 128, 128, 64, 4, waves_per_eu=2),
         _gemm(device, 128, 64, 64, 4),
@@ -36,31 +42,71 @@ def _matmul(device: DeviceInfo) -> list[triton.Config]:
     ]
 
 
-def _grouped_matmul(device: DeviceInfo) -> list[triton.Config]:
+def _rdna_gemms(device: DeviceInfo) -> list[triton.Config]:
+    # RDNA3 (gfx1100): 32-lane waves, WMMA instead of MFMA, no matrix_instr_nonkdim or
+    # waves_per_eu. CDNA's 256-wide tiles spilled 681-2079 registers there.
     return [
-        _gemm(device, 256, 128, 64, 8, group=4, waves_per_eu=2),
-        _gemm(device, 128, 128, 64, 4, waves_per_eu=2),
+        _gemm(device, 128, 128, 32, 8),
+        _gemm(device, 128, 64, 32, 4),
+        _gemm(device, 64, 64, 32, 4),
+    ]
+
+
+def _grouped_matmul(device: DeviceInfo) -> list[triton.Config]:
+    if not device.has("wave64"):
+        return _rdna_gemms(device)
+    # The grouped kernel holds a group table's pointers and sizes on top of a tile: at
+    # waves_per_eu=2 (256 VGPRs) 256x128 spilled 12-59 registers and 128x128 with 4 warps
+    # 21-189 on gfx942 (ci/compile_matrix.py); these fit with the compiler's choice.
+    return [
+        _gemm(device, 128, 128, 64, 8),
+        _gemm(device, 128, 128, 32, 4),
+        _gemm(device, 128, 64, 64, 4),
         _gemm(device, 64, 64, 64, 4),
     ]
 
+
 def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
-    # ROCm's FlashAttention tuning: on CDNA 128x64 tiles of 4 wavefronts, waves_per_eu=2
-    # (two workgroups per SIMD hide latency without software pipelining: num_stages 1, or
-    # 2 where the stream pipeliner pays off, MI300/MI350) and 16x16 MFMA instructions.
-    # Wider rows (fp16 D=256, fp32 D>64) use 64x64 tiles and one wave per EU: the
-    # accumulator alone fills the VGPRs. RDNA (32-lane waves, no MFMA): small tiles.
-    warps = min(4, _common.max_warps(device))
+    # By the bytes of one padded K/V row (ROW_BYTES_MAX: the launcher takes the first class
+    # that fits). CDNA: ROCm's FlashAttention tuning, 128x64 tiles of 4 wavefronts and
+    # 16x16 MFMA instructions, num_stages 2 where the stream pipeliner pays off (MI300,
+    # MI350) and 1 elsewhere. Registers decide the rest (ci/compile_matrix.py, gfx942):
+    # waves_per_eu=2 caps a lane at 256 VGPRs, which the D=64 kernels fit with 32x64
+    # dk/dv blocks (64x64 spilled 44-55) but the D=128 ones do not (forward 18-26 spilled,
+    # dk/dv 246-452): one wave per EU there, and for the widest rows.
     if not device.has("wave64"):
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=warps, num_stages=1)]
+        return _rdna_flash_attn(device)
     stages = 2 if device.arch in ("gfx942", "gfx950") else 1
+
+    def cfg(bm, bn, dkdv, dq, waves, stages, row_bytes=None):
+        kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": dkdv[0], "BWD_BLOCK_N": dkdv[1],
+                  "DQ_BLOCK_M": dq[0], "DQ_BLOCK_N": dq[1],
+                  "waves_per_eu": waves, "matrix_instr_nonkdim": 16}
+        if row_bytes is not None:
+            kwargs["ROW_BYTES_MAX"] = row_bytes
+        return triton.Config(kwargs, num_warps=4, num_stages=stages)
+
     return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BWD_BLOCK_M": 64, "BWD_BLOCK_N": 64,
-                       "ROW_BYTES_MAX": 256, "waves_per_eu": 2, "matrix_instr_nonkdim": 16},
-                      num_warps=warps, num_stages=stages),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BWD_BLOCK_M": 32, "BWD_BLOCK_N": 32,
-                       "waves_per_eu": 1, "matrix_instr_nonkdim": 16},
-                      num_warps=warps, num_stages=1),
+        cfg(128, 64, (32, 64), (64, 32), 2, stages, row_bytes=128),   # fp16 D<=64
+        cfg(128, 64, (32, 64), (64, 32), 1, stages, row_bytes=256),   # fp16 D<=128, fp32 D<=64
+        cfg(64, 64, (32, 32), (32, 32), 1, 1),                        # wider rows
     ]
+
+
+def _rdna_flash_attn(device: DeviceInfo) -> list[triton.Config]:
+    # RDNA3 (32-lane waves, WMMA): 8 warps keep the forward within 256 VGPRs a lane
+    # (64x32 at D=64 and 32x32 at D=128 spill nothing; with 4 warps the D=128 tiles
+    # spilled 7-111). Every backward tile tried spills (dk/dv 90-590 registers, dq
+    # 13-1100, from 16x16 to 64x64 blocks, 4 or 8 warps): docs/portability.md lists it as
+    # a known limit.
+    def cfg(bm, bn, bwd, row_bytes=None):
+        kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd[0], "BWD_BLOCK_N": bwd[1]}
+        if row_bytes is not None:
+            kwargs["ROW_BYTES_MAX"] = row_bytes
+        return triton.Config(kwargs, num_warps=8, num_stages=1)
+
+    return [cfg(64, 32, (16, 32), row_bytes=128), cfg(32, 32, (16, 32), row_bytes=256),
+            cfg(16, 32, (16, 16))]
 
 
 _TABLE: dict[tuple[str, str | None], Configs] = {

@@ -47,6 +47,8 @@ _POINTERS = {"TMA": False, "PERSISTENT": False}
 
 
 def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
+    if device.has("tcgen05"):
+        return _matmul_blackwell(device)
     # sm_90: wgmma works on 64 rows per warpgroup (4 warps). Shared memory (227 KB) holds
     # stages x (A + B tiles) plus the epilogue buffer, which the two-halves epilogue
     # halves: that is what lets 128x256x64 keep three or four stages. 64-row tiles serve
@@ -95,6 +97,33 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
     ] + _matmul_fp8(device)
 
 
+def _matmul_blackwell(device: DeviceInfo) -> list[triton.Config]:
+    # sm_100 (tcgen05): the accumulator lives in tensor memory, not in registers, so 4
+    # warps carry a 128x256 tile that needs 8 on sm_90, and warp specialization (a TMA
+    # producer, an MMA issuer, the epilogue) is Triton's own schedule there. The space of
+    # Triton's persistent-matmul tutorial: 128 x {128, 256} x {64, 128}, 2-4 stages.
+    # Compiled for sm_100 (ci/compile_matrix.py: shared memory, registers, spills); never
+    # timed on a B200, so the autotuner's first-call timing is what picks among them.
+    fp8 = {"OPERAND_BYTES": 1}
+    return [
+        _gemm(128, 256, 64, 3, 4, EPILOGUE_SUBTILE=True),
+        _gemm(128, 256, 64, 4, 4, EPILOGUE_SUBTILE=True),
+        _gemm(128, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),
+        _gemm(128, 128, 128, 3, 4, EPILOGUE_SUBTILE=True),
+        _gemm(64, 128, 64, 4, 4, EPILOGUE_SUBTILE=False),     # small M
+        # Split loops keep their accumulator in registers (they do not warp-specialize):
+        # 128x128 with 4 warps spilled 152 bytes a thread, with 8 none.
+        _gemm(64, 128, 128, 3, 4, SPLIT_K=4),                  # outputs of few tiles
+        _gemm(128, 128, 64, 4, 8, SPLIT_K=2),
+        _gemm(64, 128, 64, 3, 4, **_POINTERS),
+        # Two stages: with three, b row-major (tiles converted for the MMA) needs 240 KB;
+        # 8 warps: with 4 that conversion spilled 304 bytes a thread.
+        _gemm(128, 256, 128, 2, 8, EPILOGUE_SUBTILE=True, **fp8),
+        _gemm(128, 128, 128, 4, 4, **fp8),
+        _gemm(64, 128, 256, 3, 4, SPLIT_K=4, **fp8),
+    ]
+
+
 def _matmul_fp8(device: DeviceInfo) -> list[triton.Config]:
     # fp8 operands (OPERAND_BYTES=1, see matmul.operand_configs): the K depth doubles for
     # the same bytes per stage. The fp8 MMA needs K-major tiles (a row-major, b
@@ -133,6 +162,11 @@ def _grouped_matmul(device: DeviceInfo) -> list[triton.Config]:
 
 
 def grouped_matmul_tma(device: DeviceInfo) -> list[triton.Config]:
+    if device.has("tcgen05"):
+        # sm_100: the unsplit descriptor tiles of the Blackwell matmul table (compiled,
+        # not timed on a B200).
+        return [c for c in _matmul_blackwell(device)
+                if "SPLIT_K" not in c.kwargs and c.kwargs.get("TMA", True)]
     # The winners of bench/grouped_matmul_sweep.py on the H200 (bf16, 18 tiles,
     # mixture-of-experts layers of 8 and 64 experts, b row- and column-major; results in
     # docs/performance.md): 128x256 with 8 warps where experts hold many tokens, 64x256
@@ -187,12 +221,15 @@ def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
             _attn(128, 64, 8, 2, (32, 32, 8, 2), (32, 32, 8, 2), row_bytes=512),  # fp16 D=256, fp32 D<=128
             _attn(32, 32, 4, 1, (16, 32, 4, 1), (16, 32, 4, 1)),           # fp32 D=256
         ]
-    # Ampere-class shared memory (~164 KB): the same shapes, one stage fewer.
+    # Ampere-class shared memory (~164 KB on sm_80): the same shapes, one stage fewer.
+    # The 99 KB of sm_89 and sm_120 (L40S, RTX 4090/5090) leave the fp32 D=256 dk/dv
+    # kernel 16-key blocks: with 32 it needs 112 KB there (ci/compile_matrix.py).
+    widest = (16, 32, 4, 1) if device.shared_memory >= 128 * 1024 else (16, 16, 4, 1)
     return [
         _attn(128, 64, 4, 2, (64, 64, 4, 2), (64, 64, 4, 2), row_bytes=128),
         _attn(64, 64, 4, 2, (32, 64, 4, 2), (32, 64, 4, 2), row_bytes=256),
         _attn(64, 32, 4, 2, (32, 32, 4, 1), (32, 32, 4, 1), row_bytes=512),
-        _attn(32, 32, 4, 1, (16, 32, 4, 1), (16, 32, 4, 1)),
+        _attn(32, 32, 4, 1, widest, (16, 32, 4, 1)),
     ]
 
 
@@ -231,12 +268,34 @@ def flash_attn_hopper(device: DeviceInfo) -> list[triton.Config]:
     ]
 
 
+def flash_attn_blackwell(device: DeviceInfo) -> list[triton.Config]:
+    # nvidia.blackwell (sm_100), D=64 and D=128: per row class a warp-specialized tile (a
+    # TMA producer and softmax/correction consumers, as Triton's fused-attention tutorial
+    # runs on Blackwell) and a software-pipelined one, through descriptors; the backward
+    # takes the first config of its class, as on Hopper. Compiled for sm_100
+    # (ci/compile_matrix.py); never timed on a B200: the forward's autotuning decides.
+    def cfg(bm, bn, warps, stages, dkdv, dq, row_bytes, ws):
+        c = _attn(bm, bn, warps, stages, dkdv, dq, row_bytes=row_bytes)
+        return triton.Config({**c.kwargs, "TMA": True, "WARP_SPECIALIZE": ws,
+                              "BWD_TMA_MIN_SEQ": 2048}, num_warps=warps, num_stages=stages)
+
+    d64, d128 = (_DKDV_D64_TMA, _DQ_D64_TMA), (_DKDV_D128, _DQ_D128)
+    return [
+        cfg(128, 128, 4, 3, *d64, 128, ws=True),      # D=64
+        cfg(128, 64, 4, 3, *d64, 128, ws=False),
+        # D=128: a 128x128 warp-specialized tile with 4 warps spilled 336 bytes a thread.
+        cfg(128, 128, 8, 2, *d128, 256, ws=True),
+        cfg(128, 64, 8, 3, *d128, 256, ws=False),
+    ]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
     **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
     ("flash_attn", "nvidia.hopper"): flash_attn_hopper,
     # Its forward has one fixed tile (flash_attn_gluon.py); the backward takes these.
     ("flash_attn", "nvidia.hopper_gluon"): flash_attn_hopper,
+    ("flash_attn", "nvidia.blackwell"): flash_attn_blackwell,
     ("matmul", None): _matmul,
     ("matmul", "nvidia.persistent_tma"): matmul_persistent_tma,
     ("grouped_matmul", None): _grouped_matmul,
