@@ -15,11 +15,12 @@ from . import _interpreter
 
 _interpreter.choose()  # must precede every import of triton; see _interpreter.py
 
-from .device import CAPABILITIES, DeviceInfo, emulate, register_capability
+from .device import CAPABILITIES, DeviceInfo, register_capability
 from .dispatch import (
     KernelHandle,
     Selection,
     device_info,
+    emulate,
     explain,
     get_kernel,
     list_kernels,
@@ -41,6 +42,7 @@ from .hookspecs import hookimpl, hookspec
 from .launch import LaunchPlan
 from .registry import KernelSpec, Registry, Variant
 from .testing import ExpectedFailure
+from . import ops  # noqa: E402,F401  (defines the torch operators that handles trace as)
 
 __version__ = "0.1.0"
 

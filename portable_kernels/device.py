@@ -6,23 +6,18 @@ from the one vocabulary below. A plugin that needs a new word calls
 :func:`register_capability` with a definition, so that a typo in a variant's ``requires``
 is an error instead of a variant that silently never runs.
 
-Emulation (``PK_EMULATE=<profile>`` or :func:`emulate`) makes detection report a profile's
+Emulation (``PK_EMULATE=<profile>`` or ``pk.emulate``, in ``dispatch``) makes detection report a profile's
 ``DeviceInfo`` (an H100, an MI300X, an Iluvatar BI-150, ...) so that *selection* can be
 tested on any machine. Kernels still execute on the real device; calling a variant the real
 device cannot execute raises ``VariantUnavailableError`` rather than running another.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
-
-from . import _context
 
 __all__ = [
     "CAPABILITIES",
     "DeviceInfo",
-    "emulate",
     "register_capability",
 ]
 
@@ -133,37 +128,3 @@ class DeviceInfo:
         d["capabilities"] = sorted(self.capabilities)
         d["fingerprint"] = self.fingerprint
         return d
-
-
-@contextlib.contextmanager
-def emulate(profile: str | None) -> Iterator[None]:
-    """Make device detection report the ``profile``'s DeviceInfo inside the block.
-
-    Kernels still run on the real device; only selection sees the profile. ``None`` turns
-    emulation off inside the block, even where ``PK_EMULATE`` is set.
-
-    Example::
-
-        with pk.emulate("bi150"):
-            print(pk.explain("flash_attn"))
-    """
-    from . import plugins
-
-    if profile is not None:
-        plugins.host().emulation_profile(profile)  # fail early on an unknown name
-    ctx = _context.current.get()
-    token = _context.current.set(ctx._replace(emulation=(profile or "").lower()))
-    try:
-        yield
-    finally:
-        _context.current.reset(token)
-
-
-def current_emulation() -> str | None:
-    """The profile selection sees now: the context's, else ``PK_EMULATE``'s, else None."""
-    value = _context.current.get().emulation
-    if value is None:
-        from . import plugins
-
-        return plugins.host().env_emulation or None
-    return value or None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "Selection",
     "Verdict",
     "device_info",
+    "emulate",
     "explain",
     "get_kernel",
     "list_kernels",
@@ -307,7 +308,13 @@ class KernelHandle:
     def __init__(self, name: str) -> None:
         self.name = name
         self._host: plugins.PluginHost | None = None
-        self._bind()
+        if _compiling():
+            # A handle made inside a compiled function: the plugin host may not exist yet,
+            # and building it (entry points, locks) cannot be traced. Tracing needs only
+            # the operator; the first eager call binds the rest.
+            self._traced = _traced_call(name, self.__call__)
+        else:
+            self._bind()
 
     def _bind(self) -> None:
         host = plugins.host()
@@ -398,13 +405,17 @@ def _problem(name: str, problem: Any, args: tuple, kwargs: dict) -> Any:
         raise _signature_error(name, problem, args, kwargs) or exc
 
 
+#: Kernel name -> its torch operator, the public function of :mod:`portable_kernels.ops`,
+#: which fills this table when the package is imported (it builds on this module, so
+#: this module does not import it).
+TRACED_OPS: dict[str, Callable[..., Any]] = {}
+
+
 def _traced_call(name: str, eager: Any) -> Any:
     """What a call of kernel ``name`` is under ``torch.compile``: its operator in
     :mod:`portable_kernels.ops`, or, for a kernel that has none (a plugin's own family),
     the eager call behind a graph break."""
-    from . import ops  # registers the operators; it imports this module, hence here
-
-    op = getattr(ops, name, None) if name in ops.OPS else None
+    op = TRACED_OPS.get(name)
     if op is not None:
         return op
     reason = (f"portable_kernels: kernel {name!r} has no torch operator "
@@ -463,6 +474,28 @@ def explain(name: str, *args: Any, device: Any = None, **kwargs: Any) -> Selecti
         problem = _problem(spec.name, spec.problem, args, kwargs)
         return select(spec.name, problem, problem.device)
     return select(spec.name, None, _resolve_device(device))
+
+
+@contextlib.contextmanager
+def emulate(profile: str | None) -> Iterator[None]:
+    """Make device detection report the ``profile``'s DeviceInfo inside the block.
+
+    Kernels still run on the real device; only selection sees the profile. ``None`` turns
+    emulation off inside the block, even where ``PK_EMULATE`` is set.
+
+    Example::
+
+        with pk.emulate("bi150"):
+            print(pk.explain("flash_attn"))
+    """
+    if profile is not None:
+        plugins.host().emulation_profile(profile)  # fail early on an unknown name
+    ctx = _context.current.get()
+    token = _context.current.set(ctx._replace(emulation=(profile or "").lower()))
+    try:
+        yield
+    finally:
+        _context.current.reset(token)
 
 
 @contextlib.contextmanager

@@ -443,3 +443,7 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
 
 
 _LIB.impl("flash_attn", flash_attn, "CompositeImplicitAutograd")
+
+
+# Handles trace as these operators under torch.compile (dispatch._traced_call).
+dispatch.TRACED_OPS.update({name: globals()[name] for name in OPS})

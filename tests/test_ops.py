@@ -7,6 +7,8 @@ inside the op. Shapes are small: the CPU runs every launch under Triton's interp
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ import portable_kernels as pk
 from portable_kernels import ops
 from portable_kernels.testing import Tolerance, assert_close, tolerance
 
-from conftest import ON_CPU
+from conftest import DEVICE, ON_CPU
 
 F32 = torch.float32
 
@@ -232,6 +234,40 @@ def test_torch_compile_fullgraph_matches_eager(calls, gen, device):
     assert_close(compiled, eager, tol, "compiled output")
     for i, (p, g) in enumerate(zip(params, eager_grads)):
         assert_close(p.grad, g, tol, f"compiled gradient {i}")
+
+
+def test_handles_made_inside_a_compiled_function_in_a_fresh_process():
+    """``pk.get_kernel(...)`` called inside the compiled function, as the library's first
+    use in the process (no plugin host yet, whose building cannot be traced): fullgraph,
+    forward and backward, against torch."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(f"""
+        import torch, portable_kernels as pk
+        from portable_kernels import plugins
+        assert plugins._HOST is None
+        device = {str(DEVICE)!r}
+
+        def f(q, x):
+            out = pk.get_kernel("flash_attn")(q, q, q, causal=True)
+            return out, pk.get_kernel("softmax")(x)
+
+        torch.manual_seed(0)
+        q = torch.randn(1, 2, 40, 16, device=device, requires_grad=True)
+        x = torch.randn(4, 33, device=device)
+        out, sm = torch.compile(f, fullgraph=True)(q, x)
+        out.square().sum().backward()
+        q64 = q.detach().double().requires_grad_()
+        ref = torch.nn.functional.scaled_dot_product_attention(q64, q64, q64, is_causal=True)
+        ref.square().sum().backward()
+        print(float((out.double() - ref).abs().max()), float((q.grad.double() - q64.grad).abs().max()),
+              float((sm.double() - torch.softmax(x.double(), -1)).abs().max()))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [float(e) for e in done.stdout.split()]
+    assert errors[0] < 1e-4 and errors[1] < 1e-3 and errors[2] < 1e-6, errors
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
