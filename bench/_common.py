@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,23 @@ from portable_kernels.device import DeviceInfo
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: fp8 operands, for the benches whose kernels take them (``bench/matmul.py``).
 FP8 = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
+
+
+def per_call_us(fn: Callable[[], Any], iters: int, rounds: int = 5) -> float:
+    """Microseconds per eager call of ``fn``: ``iters`` calls timed on the host, then one
+    synchronize (so a call costs the larger of its host and device time); the median of
+    ``rounds`` such passes, after 50 untimed calls."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(samples)
 
 
 def options(doc: str, out: str, quick: str) -> argparse.ArgumentParser:

@@ -33,7 +33,6 @@ import torch
 from portable_kernels.kernels import flash_attn as fa
 
 import _common  # bench/, beside this script
-from matmul_launch_overhead import per_call_us  # the timer of host_per_call.py
 
 
 class _Trivial(torch.autograd.Function):
@@ -170,7 +169,7 @@ def main() -> None:
     timings: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in rotated(names, r):
-            timings[name].append(per_call_us(table[name], args.iters))
+            timings[name].append(_common.per_call_us(table[name], args.iters))
     print(f"# host µs per call, {args.shape} {dtype} {'full' if args.full else 'causal'}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds "
           f"(rotating order), {args.iters} calls then one synchronize, median of 5")

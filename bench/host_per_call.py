@@ -10,7 +10,7 @@ and Triton's compiled kernels from its in-memory cache. (An earlier version ran 
 per setting; this host's speed differed between processes by up to 2x, more than the effect
 measured.) Each case times ``--iters`` calls after a warm-up, then synchronizes once, so a
 call costs the larger of its host and device time; the median of five such runs
-(``matmul_launch_overhead.per_call_us``). Torch's operator is timed in every pass too, as
+(``_common.per_call_us``). Torch's operator is timed in every pass too, as
 a gauge of the host's drift. Inputs are fresh ``torch.randn`` draws. The table gives the
 median over rounds and the median of each round's JIT / direct ratio (two passes next to
 each other in time).
@@ -33,7 +33,6 @@ import torch
 from portable_kernels import plugins
 
 import _common  # bench/, beside this script
-from matmul_launch_overhead import per_call_us  # the same timing loop
 
 F = torch.nn.functional
 SETTINGS = {"direct": "1", "jit": "0"}
@@ -88,7 +87,7 @@ def measure(iters: int, flag: str) -> dict:
     os.environ["PK_DIRECT_LAUNCH"] = flag
     plugins.host().clear_caches()
     try:
-        return {name: {"ours": per_call_us(ours, iters), "torch": per_call_us(theirs, iters)}
+        return {name: {"ours": _common.per_call_us(ours, iters), "torch": _common.per_call_us(theirs, iters)}
                 for name, (ours, theirs) in cases().items()}
     finally:
         if before is None:

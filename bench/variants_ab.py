@@ -56,7 +56,6 @@ from portable_kernels.kernels import matmul as mm
 from portable_kernels.testing import assert_close, tolerance
 
 import _common  # bench/, beside this script
-from matmul_launch_overhead import per_call_us  # the host-per-call timer of host_per_call.py
 import flash_attn as bench_fa  # bench/flash_attn.py: SDPA backends, our plans, the checks
 
 DEFAULT_VARIANTS = {"matmul": "nvidia.persistent_tma,generic",
@@ -162,7 +161,7 @@ def time_row(passes: dict, flops: float, rounds: int, kernel_time: bool = False)
     for p, fns in passes.items():
         scale = 2.5 if p == "bwd" else 1.0
         out[p] = {name: (scale * flops / statistics.median(times[p][name]) * 1e-9,
-                         per_call_us(fn, 300, 3), kernel_us(fn) if kernel_time else None)
+                         _common.per_call_us(fn, 300, 3), kernel_us(fn) if kernel_time else None)
                   for name, fn in fns.items()}
     return out
 

@@ -389,7 +389,7 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
         return {"vector_add": (ours, lambda: x + x)}
 
     monkeypatch.setattr(bench, "cases", cases)
-    monkeypatch.setattr(bench, "per_call_us", lambda fn, iters: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench._common, "per_call_us", lambda fn, iters: (fn(), 1.0)[1])
     monkeypatch.delenv("PK_DIRECT_LAUNCH", raising=False)
     handle(x, x)
     before = handle.plan(x, x)

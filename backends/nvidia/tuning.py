@@ -82,7 +82,7 @@ def matmul_persistent_tma(device: DeviceInfo) -> list[triton.Config]:
         # Pointer loads, one program per tile (TMA and PERSISTENT off for these): the
         # generic table's picks for small problems on the H200 (triton 3.6), where that
         # kernel ran faster than the descriptor one (1024^3: 7.6 against 9.1 us; 16 x 4096
-        # x 4096: 9.6 against 15.4 us, bench/results/2026-11-30-h200/matmul-trace.txt),
+        # x 4096: 9.6 against 15.4 us, from a profiler trace of both),
         # and the winners of bench/matmul_sweep.py (bf16: 1024^3 6.7 us against
         # 7.7 for the generic pick; 128 x 14336 x 4096 33.5 us against 36.7 for the
         # descriptor pick; fp16 and bf16: 2048^3 25.3 and 24.7 us against 27.7 and
