@@ -178,6 +178,14 @@ def test_merged_report_marks_an_emulated_compiled_only_device():
 
 # --- the compile matrix ----------------------------------------------------------------
 
+def _in_fresh_process(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a new Python in the repository root (ci/compile_matrix.py must turn
+    the interpreter off before Triton loads, which this process has done already)."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_compile_matrix_selects_what_dispatch_selects():
     code = (
         "import sys; sys.path.insert(0, 'ci'); import compile_matrix as cm, os\n"
@@ -188,8 +196,7 @@ def test_compile_matrix_selects_what_dispatch_selects():
         "    print(t.name, dev.arch, cm.selected(host, dev, 'flash_attn'), cm.selected(host, dev, 'matmul'),"
         " ','.join(cm.selectable(host, dev, 'flash_attn')), [str(d) for d in cm.fp8_dtypes(dev, False)])\n"
         "os._exit(0)\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _in_fresh_process(code)
     lines = {line.split()[0]: line.split(maxsplit=4)[1:] for line in done.stdout.splitlines()}
     assert set(lines) == {"sm_80", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950", "gfx1100"}
     for target, (arch, attn, mm, _) in lines.items():
@@ -232,6 +239,5 @@ def test_compile_matrix_fails_on_a_resource_over_the_limit():
         "plan = cm.plans(host, dev, 'softmax', 'generic')[0]\n"
         "softmax.launch(plan, torch.empty(4, 20000, dtype=torch.float16))\n"
         "print([r.error for r in c.rows]); os._exit(0)\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _in_fresh_process(code)
     assert "> 16 B" in done.stdout, done.stdout
