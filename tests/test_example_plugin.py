@@ -23,6 +23,7 @@ from conftest import DEVICE
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "acme-backend"
 VARIANT = "acme.vector_add_wide"
+OWN_KERNEL = "acme.grid_stride"  # a kernel the plugin ships itself (acme_pk_backend/kernels.py)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +75,12 @@ def test_conformance_runs_its_variant_and_passes(acme_env, tmp_path):
                "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rep = report.load(tmp_path / "r.json")
-    mine = [c for c in rep["cases"] if c["variant"] == VARIANT]
-    assert mine and {c["outcome"] for c in mine} == {"pass"} and {c["plugin"] for c in mine} == {"acme"}
-    assert {s.id for s in _suite().shapes} == {c["shape"] for c in mine}  # the full suite, not --quick
-    assert any(line.split()[:2] == ["vector_add", VARIANT] and "pass" in line for line in proc.stdout.splitlines())
+    for variant in (VARIANT, OWN_KERNEL):
+        mine = [c for c in rep["cases"] if c["variant"] == variant]
+        assert mine and {c["outcome"] for c in mine} == {"pass"} and {c["plugin"] for c in mine} == {"acme"}
+        assert {s.id for s in _suite().shapes} == {c["shape"] for c in mine}  # the full suite, not --quick
+        assert any(line.split()[:2] == ["vector_add", variant] and "pass" in line
+                   for line in proc.stdout.splitlines())
 
 
 def test_conformance_of_one_backend(acme_env, tmp_path):
@@ -85,7 +88,8 @@ def test_conformance_of_one_backend(acme_env, tmp_path):
                "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rep = report.load(tmp_path / "r.json")
-    assert {(c["kernel"], c["variant"]) for c in rep["cases"]} == {("vector_add", VARIANT)}
+    assert {(c["kernel"], c["variant"]) for c in rep["cases"]} == {("vector_add", VARIANT),
+                                                                   ("vector_add", OWN_KERNEL)}
     assert rep["options"]["backend"] == "acme"
 
 

@@ -1,7 +1,9 @@
 """ACME's backend for portable-kernels: an example third-party plugin.
 
-It contributes one variant, ``acme.vector_add_wide``: the ``vector_add`` family's own launcher
-(the kernel is written once, in portable-kernels) with ACME's tuning, wider blocks. A real
+It contributes two variants of ``vector_add``: ``acme.vector_add_wide``, the family's own
+launcher (the kernel is written once, in portable-kernels) with ACME's tuning, wider
+blocks; and ``acme.grid_stride``, a kernel of ACME's own (``kernels.py``: a persistent
+grid-stride loop), shipped in this package with its launcher. A real
 backend adds what this one only sketches: ``pk_detect_device`` for its hardware, and
 variants whose switches select the code paths its compiler handles best.
 
@@ -24,6 +26,7 @@ from . import tuning
 
 VENDOR = "acme"
 VARIANT = "acme.vector_add_wide"
+OWN_KERNEL = "acme.grid_stride"
 
 
 def _priority(device: DeviceInfo) -> int:
@@ -46,15 +49,28 @@ def pk_register_variants(registry):
         configs=tuning.vector_add_wide,
         description="the generic kernel with ACME's wide blocks",
     ))
+    # A kernel of ACME's own: its module is imported here too (it decorates the kernel).
+    from . import kernels
+
+    registry.add_variant(Variant(
+        "vector_add", OWN_KERNEL, kernels.vector_add,
+        priority=lambda device: 40 if device.vendor == VENDOR else -20,
+        accepts=_host.dtype_supported,
+        configs=tuning.grid_stride,
+        description="ACME's own kernel: a persistent grid-stride loop, one program per "
+        "compute unit",
+    ))
 
 
 @hookimpl(tryfirst=True)
 def pk_tuning_configs(kernel, variant, device):
     # tryfirst: the built-in backends answer for every variant of a kernel on their
     # devices; ACME's own variant keeps ACME's configs wherever it runs.
-    if variant.name != VARIANT:
-        return None
-    return tuning.vector_add_wide(device)
+    if variant.name == VARIANT:
+        return tuning.vector_add_wide(device)
+    if variant.name == OWN_KERNEL:
+        return tuning.grid_stride(device)
+    return None
 
 
 @hookimpl

@@ -17,3 +17,10 @@ def vector_add_wide(device: DeviceInfo) -> list[triton.Config]:
         return [triton.Config({"BLOCK_SIZE": 16384}, num_warps=1)]
     # 16-byte accesses per thread with room to spare: BLOCK_SIZE >= 4 * warp_size * num_warps.
     return [triton.Config({"BLOCK_SIZE": 8192}, num_warps=8)]
+
+
+def grid_stride(device: DeviceInfo) -> list[triton.Config]:
+    """ACME's own kernel (``kernels.py``): one block per loop step of each program."""
+    if "interpreter" in device.capabilities:
+        return [triton.Config({"BLOCK_SIZE": 16384}, num_warps=1)]
+    return [triton.Config({"BLOCK_SIZE": 4096}, num_warps=8)]
