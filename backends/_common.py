@@ -97,4 +97,5 @@ MEMORY_BOUND = {
     ("dropout", None): _dropout,
     ("asin", None): _asin,
     ("layer_norm", None): _layer_norm,
+    ("rms_norm", None): _layer_norm,  # layer_norm's kernels with RMS on
 }

@@ -292,7 +292,8 @@ def memory_bound_cases(kernel: str):
     """The memory-bound families: each config of each selectable variant, in each dtype,
     on a short and a long row (one pass and the chunked loop) where rows matter."""
     shapes = {"vector_add": ["4099"], "dropout": ["4099"], "asin": ["4099"],
-              "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000"]}[kernel]
+              "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000"],
+              "rms_norm": ["8x1000", "8x20000"]}[kernel]
 
     def cases(host, device, quick: bool):
         module = importlib.import_module(f"portable_kernels.kernels.{kernel}")
@@ -304,8 +305,8 @@ def memory_bound_cases(kernel: str):
                     for shape in shapes[:1] if quick else shapes:
                         args, kwargs = module.inputs(shape, dtype, "cpu")
                         name = f"{_label(plan.configs[0], ())} {_short(dtype)} {shape}"
-                        if kernel == "layer_norm":
-                            yield variant, name, (lambda plan=plan, args=args: _layer_norm(module, plan, *args))
+                        if kernel in NORMS:
+                            yield variant, name, (lambda plan=plan, args=args: NORMS[kernel](module, plan, *args))
                         else:
                             yield variant, name, (lambda plan=plan, args=args, kwargs=kwargs:
                                                   plan.variant.launch(plan, *args, **kwargs))
@@ -316,6 +317,15 @@ def memory_bound_cases(kernel: str):
 def _layer_norm(module, plan, x, weight, bias) -> None:
     y, rows, mean, rstd = module._forward(plan, x, weight, bias, 1e-5)
     module._backward(plan, torch.empty_like(rows), rows, weight, mean, rstd)
+
+
+def _rms_norm(module, plan, x, weight) -> None:
+    y, rows, rstd = module._forward(plan, x, weight, 1e-6, 1.0)
+    module._backward(plan, torch.empty_like(rows), rows, weight, rstd, 1.0)
+
+
+#: The norms: forward and backward kernels, called through their stages.
+NORMS = {"layer_norm": _layer_norm, "rms_norm": _rms_norm}
 
 
 def flash_attn_cases(host, device, quick: bool):
@@ -480,6 +490,7 @@ FAMILIES = {
     "dropout": memory_bound_cases("dropout"),
     "asin": memory_bound_cases("asin"),
     "layer_norm": memory_bound_cases("layer_norm"),
+    "rms_norm": memory_bound_cases("rms_norm"),
     "matmul": matmul_cases,
     "grouped_matmul": grouped_matmul_cases,
     "flash_attn": flash_attn_cases,

@@ -18,6 +18,7 @@ FAMILIES = (
     "asin",
     "dropout",
     "layer_norm",
+    "rms_norm",
     "flash_attn",
     "matmul",
     "grouped_matmul",

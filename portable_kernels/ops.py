@@ -14,6 +14,7 @@ op                 signature                                             backwar
                                                                          seed (same mask)
 ``asin``           ``(x) -> out``                                        ``g / sqrt(1-x^2)``
 ``layer_norm``     ``(x, weight, bias, eps=1e-5) -> out``                our bwd kernels
+``rms_norm``       ``(x, weight, eps=1e-6, offset=0.0) -> out``          our bwd kernels
 ``matmul``         ``(a, b) -> out``                                     our matmul
 ``grouped_matmul`` ``(list_a, list_b) -> list_out``                      our grouped_matmul
 ``flash_attn``     ``(q, k, v, causal=False, sm_scale=None) -> out``     our bwd kernels
@@ -26,10 +27,11 @@ families whose backward needs forward intermediates, the family's own forward an
 stages with the handle's :class:`~portable_kernels.launch.LaunchPlan`), so the variant for
 the tensors' device runs, ``use_variant`` applies, and a compiled graph stays portable.
 
-``layer_norm`` and ``flash_attn`` need what their forward computed besides the output (the
-per-row mean and 1/std; the log-sum-exp). A custom op's backward sees only its inputs and
-outputs, so each is split in two custom ops that return those intermediates
+``layer_norm``, ``rms_norm`` and ``flash_attn`` need what their forward computed besides the
+output (the per-row statistics; the log-sum-exp). A custom op's backward sees only its
+inputs and outputs, so each is split in two custom ops that return those intermediates
 (``layer_norm_forward`` -> ``(out, mean, rstd)``, ``layer_norm_backward``;
+``rms_norm_forward`` -> ``(out, rstd)``, ``rms_norm_backward``;
 ``flash_attn_forward`` -> ``(out, lse)``, ``flash_attn_backward``), and the public op is a
 ``CompositeImplicitAutograd`` operator returning only the output: eager autograd and
 tracing decompose it into the forward op, whose registered autograd runs the backward op.
@@ -66,6 +68,7 @@ __all__ = [
     "grouped_matmul",
     "layer_norm",
     "matmul",
+    "rms_norm",
     "softmax",
     "vector_add",
     "OPS",
@@ -74,7 +77,7 @@ __all__ = [
 NAMESPACE = "portable_kernels"
 
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
-OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "matmul",
+OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "matmul",
        "grouped_matmul", "flash_attn")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
@@ -280,6 +283,71 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
 
 
 _LIB.impl("layer_norm", layer_norm, "CompositeImplicitAutograd")
+
+
+# --- rms_norm -------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_forward", mutates_args=())
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float = 1e-6,
+                     offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``(out, rstd)``: RMS norm of ``x`` (..., N) over its last dim, and the fp32 per-row
+    1/rms (shape (M,), M = rows of ``x``) that ``rms_norm_backward`` needs."""
+    plan = _handle("rms_norm").plan(x, weight, eps, offset)
+    family = _family("rms_norm")
+    family._check(x, weight, eps, offset)
+    with _on(x.device):
+        out, _, rstd = family._forward(plan, x, weight.contiguous(), eps, offset)
+    return out, rstd
+
+
+@rms_norm_forward.register_fake
+def _(x, weight, eps=1e-6, offset=0.0):
+    return x.new_empty(x.shape), x.new_empty((_rows(x),), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_backward", mutates_args=())
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
+                      offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` for the upstream gradient ``grad`` (``x``'s shape)."""
+    plan = _handle("rms_norm").plan(x, weight)
+    n = x.shape[-1]
+    with _on(x.device):
+        dx, dw = _family("rms_norm")._backward(
+            plan, grad.reshape(-1, n), x.reshape(-1, n), weight.contiguous(), rstd, offset)
+    return dx.reshape(x.shape), dw
+
+
+@rms_norm_backward.register_fake
+def _(grad, x, weight, rstd, offset=0.0):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, offset = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset = offset
+
+
+def _rms_norm_backward(ctx, grad, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward(grad, x, weight, rstd, ctx.offset)
+    return dx, dw, None, None
+
+
+rms_norm_forward.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+_LIB.define("rms_norm(Tensor x, Tensor weight, float eps=1e-06, float offset=0.0) -> Tensor")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    """RMS norm of ``x`` (..., N) over its last dim, ``* (weight + offset)`` ((N,), ``x``'s
+    dtype: fp16, bf16, fp32; ``offset=1.0`` for Gemma); statistics in fp32. Differentiable
+    in ``x`` and ``weight``."""
+    return torch.ops.portable_kernels.rms_norm_forward(x, weight, eps, offset)[0]
+
+
+_LIB.impl("rms_norm", rms_norm, "CompositeImplicitAutograd")
 
 
 # --- matmul ---------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from conftest import DEVICE
 from portable_kernels import ops
 from portable_kernels.conformance import test_flash_attn as flash_attn_suite
 from portable_kernels.conformance import test_layer_norm as layer_norm_suite
+from portable_kernels.conformance import test_rms_norm as rms_norm_suite
 from portable_kernels.conformance.harness import Inputs, poisoned_allocations
 from portable_kernels.conformance.test_asin import EDGES as ASIN_EDGES
 from portable_kernels.kernels.flash_attn import reference as flash_attn_reference
@@ -92,6 +93,7 @@ EXAMPLES = {
     "dropout": 25,
     "asin": 40,
     "layer_norm": 30,
+    "rms_norm": 20,
     "matmul": 20,
     "grouped_matmul": 14,
     "flash_attn": 14,
@@ -308,8 +310,8 @@ def leaves(*tensors):
 
 # --- every family has a fuzzer ---------------------------------------------------------------
 
-FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "matmul", "grouped_matmul",
-          "flash_attn")
+FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "matmul",
+          "grouped_matmul", "flash_attn")
 
 
 @pytest.mark.parametrize("family", pk.list_kernels())
@@ -324,18 +326,19 @@ def test_every_fuzzer_has_a_family():
 
 def test_handle_differentiability():
     """Which API carries gradients (the premise of the backward checks below): the handles
-    of dropout, layer_norm and flash_attn, and every ``ops`` operator."""
+    of dropout, layer_norm, rms_norm and flash_attn, and every ``ops`` operator."""
     x = torch.rand(2, 16, device=DEVICE, requires_grad=True)
     w = torch.ones(16, device=DEVICE, requires_grad=True)
     q = torch.rand(1, 1, 4, 16, device=DEVICE, requires_grad=True)
     calls = {
         "vector_add": (x, x), "softmax": (x,), "dropout": (x, 0.5, 1), "asin": (x,),
-        "layer_norm": (x, w, w), "matmul": (x, x.t()), "grouped_matmul": ([x], [x.t()]),
+        "layer_norm": (x, w, w), "rms_norm": (x, w), "matmul": (x, x.t()),
+        "grouped_matmul": ([x], [x.t()]),
         "flash_attn": (q, q, q),
     }
     handle_grad = {name for name, args in calls.items()
                    if _requires_grad(pk.get_kernel(name)(*args))}
-    assert handle_grad == {"dropout", "layer_norm", "flash_attn"}
+    assert handle_grad == {"dropout", "layer_norm", "rms_norm", "flash_attn"}
     assert all(_requires_grad(getattr(ops, name)(*args)) for name, args in calls.items())
 
 
@@ -653,6 +656,61 @@ def _layer_norm_grad_tolerance(tol, name, expect, x, w, eps, g) -> Tolerance:
     terms = (x64.abs() + x64.mean(-1, keepdim=True).abs()) * rstd
     bound = (g.detach().cpu().double().reshape(x64.shape).abs() * terms).sum(0).max()
     return Tolerance(table.atol + tol.rtol * float(bound), tol.rtol)
+
+
+# --- rms_norm -------------------------------------------------------------------------------
+
+@st.composite
+def rms_norm_cases(draw):
+    ndim = draw(st.integers(1, 3))
+    n = draw(st.one_of(st.sampled_from([1, 37, 1025, 0]), st.integers(0, 2100)))
+    lead = draw(shapes(ndim - 1, 400, 24000 // max(1, n)))
+    requires = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
+    return dict(shape=(*lead, n), x=draw(layouts(ndim)), w=draw(layouts(1)),
+                grad=draw(layouts(ndim)), eps=draw(st.sampled_from([1e-6, 1e-3, 0.25])),
+                offset=draw(st.sampled_from([0.0, 1.0])), requires=requires,
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+def _rms_norm64(x, w, eps, offset):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (w + offset)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("rms_norm")
+@given(case=rms_norm_cases())
+def test_rms_norm(dtype, case):
+    gen = _gen(case["seed"])
+    n, eps, offset = case["shape"][-1], case["eps"], case["offset"]
+    x = make(case["shape"], dtype, case["x"], gen, _normal(2.0, 0.5))
+    w = make((n,), dtype, case["w"], gen, _normal(0.5, 1.0 - offset))
+    x64, w64 = x.cpu().double(), w.cpu().double()
+    ref = _rms_norm64(x64, w64, eps, offset)
+    before = snapshot(x, w)
+    tol = tolerance(dtype, "reduction")
+    for variant in runnable_variants("rms_norm", x, w, eps, offset):
+        with forced("rms_norm", variant):
+            out = call("rms_norm", case["api"], x, w, eps, offset)
+        check_output(out, ref, dtype, tol, f"rms_norm[{variant}]")
+        assert_unchanged(before, (x, w), f"rms_norm[{variant}]")
+        if not x.numel():
+            continue
+        mine, ref64 = leaves(x, w)
+        wanted = [i for i, r in enumerate(case["requires"]) if r]
+        for i, r in enumerate(case["requires"]):
+            mine[i].requires_grad_(r)
+            ref64[i].requires_grad_(r)
+        g = make(x.shape, dtype, case["grad"], gen)
+        with forced("rms_norm", variant):
+            y = call("rms_norm", case["api"], *mine, eps, offset)
+            grads = torch.autograd.grad(y, [mine[i] for i in wanted], g)
+        refs = torch.autograd.grad(_rms_norm64(ref64[0], ref64[1], eps, offset),
+                                   [ref64[i] for i in wanted], g.cpu().double())
+        inputs = Inputs((x, w), {"eps": eps, "offset": offset})
+        for i, got, expect in zip(wanted, grads, refs):
+            name = ("dx", "dweight")[i]
+            t = rms_norm_suite.tolerance_for(tol, name, expect, inputs, [g])
+            check_output(got, expect, dtype, t, f"rms_norm[{variant}] {name}", contiguous=False)
 
 
 # --- matmul ---------------------------------------------------------------------------------

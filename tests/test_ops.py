@@ -55,6 +55,10 @@ CASES = {
                                      _randn(g, d, 33, requires_grad=rg), 1e-5),
                    lambda x, w, b, eps: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps),
                    "reduction"),
+    "rms_norm": (lambda g, d, rg: (_randn(g, d, 3, 5, 33, requires_grad=rg),
+                                   _randn(g, d, 33, scale=0.2).requires_grad_(rg), 1e-6, 1.0),
+                 lambda x, w, eps, offset: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (w + offset),
+                 "reduction"),
     "matmul": (lambda g, d, rg: (_randn(g, d, 9, 33, requires_grad=rg),
                                  _randn(g, d, 33, 17, requires_grad=rg)),
                lambda a, b: a @ b, "dot"),
@@ -104,7 +108,7 @@ def test_opcheck(name, gen, device):
 
 
 def test_opcheck_stage_ops(gen, device):
-    """The forward/backward halves behind layer_norm and flash_attn."""
+    """The forward/backward halves behind layer_norm, rms_norm and flash_attn."""
     ln = torch.ops.portable_kernels
     x, w, b, eps = CASES["layer_norm"][0](gen, device, True)
     torch.library.opcheck(ln.layer_norm_forward.default, (x, w, b, eps))
@@ -112,6 +116,13 @@ def test_opcheck_stage_ops(gen, device):
         _, mean, rstd = ln.layer_norm_forward(x, w, b, eps)
     dy = torch.randn_like(x)
     torch.library.opcheck(ln.layer_norm_backward.default, (dy, x.detach(), w.detach(), mean, rstd))
+
+    x, w, eps, offset = CASES["rms_norm"][0](gen, device, True)
+    torch.library.opcheck(ln.rms_norm_forward.default, (x, w, eps, offset))
+    with torch.no_grad():
+        _, rstd = ln.rms_norm_forward(x, w, eps, offset)
+    dy = torch.randn_like(x)
+    torch.library.opcheck(ln.rms_norm_backward.default, (dy, x.detach(), w.detach(), rstd, offset))
 
     q, k, v, causal, scale = CASES["flash_attn"][0](gen, device, True)
     torch.library.opcheck(ln.flash_attn_forward.default, (q, k, v, causal, scale))
@@ -203,6 +214,7 @@ class _Block(torch.nn.Module):
         v = v.reshape(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         a = ops.flash_attn(q, k, v, causal=True).transpose(1, 2).reshape(b * n, dim)
         o = ops.dropout(ops.matmul(a, self.proj).reshape(b, n, dim), 0.1, 1234)
+        o = ops.rms_norm(o, self.weight, 1e-6, 1.0)
         return ops.softmax(ops.asin(torch.tanh(ops.vector_add(x, o))), dim=-1)
 
 

@@ -20,6 +20,8 @@ _CONFIGS: dict[tuple[str, str | None], triton.Config] = {
     # make programs share one, which is the path worth exercising.
     ("layer_norm", None): triton.Config({"MAX_BLOCK_N": 1024, "TILE": 16384, "GROUPS": 2},
                                         num_warps=1),
+    ("rms_norm", None): triton.Config({"MAX_BLOCK_N": 1024, "TILE": 16384, "GROUPS": 2},
+                                      num_warps=1),
     # GEMMs: 64-wide tiles in every dimension, so a test-sized problem is a few programs
     # of one or two K steps. The TMA variants, when forced here, also exercise their
     # two-halves epilogue.

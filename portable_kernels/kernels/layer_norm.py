@@ -64,8 +64,10 @@ def _layer_norm_fwd_kernel(
     x_row_stride, x_col_stride,       # x strides (elements)
     y_row_stride,
     eps,
+    w_offset,                         # added to weight (rms_norm's Gemma offset; 0 here)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr = False,        # rms_norm: no mean, no bias (rms_norm.py)
 ):
     # --- program id to a tile of rows ---
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,14 +75,17 @@ def _layer_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
 
     # --- pass 1: mean (per-lane partial sums, reduced once after the loop) ---
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        c = start + cols
-        mask = row_mask[:, None] & (c < n_cols)[None, :]
-        acc += _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
-    mean = tl.sum(acc, axis=1) / n_cols
+    if RMS:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c < n_cols)[None, :]
+            acc += _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        mean = tl.sum(acc, axis=1) / n_cols
 
-    # --- pass 2: variance about the mean ---
+    # --- pass 2: variance about the mean (RMS: the mean square) ---
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
@@ -91,7 +96,8 @@ def _layer_norm_fwd_kernel(
         acc += d * d
     var = tl.sum(acc, axis=1) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
-    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    if not RMS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
     # --- pass 3: normalize, scale, shift, write back ---
@@ -100,15 +106,16 @@ def _layer_norm_fwd_kernel(
         col_mask = c < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
         x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
-        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-        y = (x - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
+        w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+        y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+        if not RMS:
+            y += tl.load(b_ptr + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rows[:, None] * y_row_stride + c[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_chunk(x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
+def _bwd_chunk(x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
                x_row_stride, x_col_stride, dy_row_stride, dy_col_stride):
     """One column chunk of the backward's terms, in fp32: dy, xhat, g = dy * w, and the
     masks. Both passes of the dx kernel recompute these rather than keep the row around.
@@ -117,7 +124,7 @@ def _bwd_chunk(x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
     mask = row_mask[:, None] & col_mask[None, :]
     x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
     dy = _load_tile(dy_ptr, rows, c, dy_row_stride, dy_col_stride, mask)
-    w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32) + w_offset
     xhat = (x - mean[:, None]) * rstd[:, None]
     return dy, xhat, dy * w[None, :], col_mask, mask
 
@@ -132,8 +139,10 @@ def _layer_norm_bwd_dx_kernel(
     x_row_stride, x_col_stride,
     dy_row_stride, dy_col_stride,
     dx_row_stride,
+    w_offset,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr = False,        # rms_norm: xhat = x * rstd, no dbias
 ):
     # --- program id to a tile of rows, and to its partial row for dweight/dbias ---
     pid = tl.program_id(0)
@@ -145,7 +154,10 @@ def _layer_norm_bwd_dx_kernel(
     dw_part = dw_part_ptr + group.to(tl.int64) * n_cols
     db_part = db_part_ptr + group.to(tl.int64) * n_cols
     # Rows past the end read mean = rstd = 0, so their xhat and dx are 0.
-    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+    if RMS:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
 
     # --- pass 1: the row means of g * xhat and g (g = dy * w) ---
@@ -154,7 +166,7 @@ def _layer_norm_bwd_dx_kernel(
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         dy, xhat, g, col_mask, mask = _bwd_chunk(
-            x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
+            x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
             x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
         acc_gx += g * xhat
         acc_g += g
@@ -165,22 +177,28 @@ def _layer_norm_bwd_dx_kernel(
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         dy, xhat, g, col_mask, mask = _bwd_chunk(
-            x_ptr, dy_ptr, w_ptr, rows, c, row_mask, n_cols, mean, rstd,
+            x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
             x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
-        dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if RMS:  # the output does not depend on a mean: no mean(g) term
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + c[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
         # Reduce the tile over its rows first, so the lock guards one row of adds.
         part_dw = tl.sum(dy * xhat, axis=0)
-        part_db = tl.sum(dy, axis=0)
+        if not RMS:
+            part_db = tl.sum(dy, axis=0)
         # Take the lock: atomic_cas swaps 0 -> 1 and returns the old value, so a 1 back
         # means another program holds it.
         while tl.atomic_cas(lock, 0, 1) == 1:
             pass
         part_dw += tl.load(dw_part + c, mask=col_mask, other=0.0)
-        part_db += tl.load(db_part + c, mask=col_mask, other=0.0)
+        if not RMS:
+            part_db += tl.load(db_part + c, mask=col_mask, other=0.0)
         tl.store(dw_part + c, part_dw, mask=col_mask)
-        tl.store(db_part + c, part_db, mask=col_mask)
+        if not RMS:
+            tl.store(db_part + c, part_db, mask=col_mask)
         # Release: atomic_xchg orders the stores above before the lock reads 0 again.
         tl.atomic_xchg(lock, 0)
 
@@ -192,6 +210,7 @@ def _layer_norm_bwd_dwdb_kernel(
     n_groups, n_cols,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr = False,        # rms_norm: no dbias
 ):
     # --- program id to a block of columns; sum the partial rows down each column ---
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,9 +222,11 @@ def _layer_norm_bwd_dwdb_kernel(
         mask = (g < n_groups)[:, None] & col_mask[None, :]
         offs = g[:, None].to(tl.int64) * n_cols + c[None, :]
         acc_dw += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
-        acc_db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+        if not RMS:
+            acc_db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
     tl.store(dw_ptr + c, tl.sum(acc_dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
-    tl.store(db_ptr + c, tl.sum(acc_db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
+    if not RMS:
+        tl.store(db_ptr + c, tl.sum(acc_db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
 
 
 # --- host launcher --------------------------------------------------------------------------
@@ -249,8 +270,10 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def _forward(plan, x, weight, bias, eps):
-    """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow."""
+def _forward(plan, x, weight, bias, eps, offset: float = 0.0):
+    """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow.
+    ``bias`` None: rms_norm (no mean, no bias; ``mean`` is left unwritten), with
+    ``offset`` added to the weight."""
     n_cols = x.shape[-1]
     # reshape(-1, 0) is ambiguous (torch refuses it): with no columns, count the rows.
     rows = x.reshape(-1, n_cols) if n_cols else x.reshape(math.prod(x.shape[:-1]), 0)
@@ -261,42 +284,44 @@ def _forward(plan, x, weight, bias, eps):
     if y.numel() == 0:
         return y.reshape(x.shape), rows, mean, rstd
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
+    rms = bias is None
     plan.direct(_layer_norm_fwd_kernel)[(_host.cdiv(n_rows, block_m),)](
-        rows, weight, bias, y, mean, rstd,
-        n_rows, n_cols, rows.stride(0), rows.stride(1), y.stride(0), float(eps),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **plan.switches,
+        rows, weight, weight if rms else bias, y, mean, rstd,
+        n_rows, n_cols, rows.stride(0), rows.stride(1), y.stride(0), float(eps), float(offset),
+        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, num_warps=num_warps, **plan.switches,
     )
     return y.reshape(x.shape), rows, mean, rstd
 
 
-def _backward(plan, dy, rows, weight, mean, rstd):
-    """(dx as (M, N), dweight, dbias) for the upstream gradient ``dy`` (M, N)."""
+def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: float = 0.0):
+    """(dx as (M, N), dweight, dbias) for the upstream gradient ``dy`` (M, N); with
+    ``rms``, rms_norm's (``mean`` unread, dbias None)."""
     n_rows, n_cols = rows.shape
     dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
     if dx.numel() == 0:
-        return dx, torch.zeros_like(weight), torch.zeros_like(weight)
+        return dx, torch.zeros_like(weight), None if rms else torch.zeros_like(weight)
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
     n_programs = _host.cdiv(n_rows, block_m)
     n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
     dw_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
-    db_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    db_part = dw_part if rms else torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
     locks = torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
     plan.direct(_layer_norm_bwd_dx_kernel)[(n_programs,)](
         dx, dy, rows, weight, mean, rstd, dw_part, db_part, locks,
         n_rows, n_cols, n_groups, rows.stride(0), rows.stride(1),
-        dy.stride(0), dy.stride(1), dx.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **plan.switches,
+        dy.stride(0), dy.stride(1), dx.stride(0), float(offset),
+        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, num_warps=num_warps, **plan.switches,
     )
     dw = torch.empty_like(weight)
-    db = torch.empty_like(weight)
+    db = dw if rms else torch.empty_like(weight)
     block_g = min(_host.next_power_of_2(n_groups), 32)
     block_c = max(1, min(block_n, plan.config.kwargs["TILE"] // block_g))
     plan.direct(_layer_norm_bwd_dwdb_kernel)[(_host.cdiv(n_cols, block_c),)](
         dw_part, db_part, dw, db, n_groups, n_cols,
-        BLOCK_G=block_g, BLOCK_N=block_c, num_warps=max(1, min(num_warps, block_g * block_c // 256)),
-        **plan.switches,
+        BLOCK_G=block_g, BLOCK_N=block_c, RMS=rms,
+        num_warps=max(1, min(num_warps, block_g * block_c // 256)), **plan.switches,
     )
-    return dx, dw, db
+    return dx, dw, None if rms else db
 
 
 def launch(plan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
