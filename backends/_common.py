@@ -98,4 +98,7 @@ MEMORY_BOUND = {
     ("asin", None): _asin,
     ("layer_norm", None): _layer_norm,
     ("rms_norm", None): _layer_norm,  # layer_norm's kernels with RMS on
+    # Gated activations: two loads and a store per element, as vector_add.
+    ("swiglu", None): _vector_add,
+    ("geglu", None): _vector_add,
 }

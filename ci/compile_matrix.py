@@ -293,7 +293,7 @@ def memory_bound_cases(kernel: str):
     on a short and a long row (one pass and the chunked loop) where rows matter."""
     shapes = {"vector_add": ["4099"], "dropout": ["4099"], "asin": ["4099"],
               "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000"],
-              "rms_norm": ["8x1000", "8x20000"]}[kernel]
+              "rms_norm": ["8x1000", "8x20000"], "swiglu": ["8x5000"], "geglu": ["8x5000"]}[kernel]
 
     def cases(host, device, quick: bool):
         module = importlib.import_module(f"portable_kernels.kernels.{kernel}")
@@ -324,8 +324,19 @@ def _rms_norm(module, plan, x, weight) -> None:
     module._backward(plan, torch.empty_like(rows), rows, weight, rstd, 1.0)
 
 
-#: The norms: forward and backward kernels, called through their stages.
+#: Families whose backward kernels are called through their stages (forward and backward).
 NORMS = {"layer_norm": _layer_norm, "rms_norm": _rms_norm}
+
+
+def _glu_both(module, plan, gate, up) -> None:
+    """Forward and backward of a gated activation (the backward is one kernel)."""
+    out = plan.variant.launch(plan, gate, up)
+    from portable_kernels.kernels import _glu
+
+    _glu.backward(plan, torch.empty_like(out), gate, up, module.NAME == "geglu", fused=False)
+
+
+NORMS.update(swiglu=_glu_both, geglu=_glu_both)
 
 
 def flash_attn_cases(host, device, quick: bool):
@@ -491,6 +502,8 @@ FAMILIES = {
     "asin": memory_bound_cases("asin"),
     "layer_norm": memory_bound_cases("layer_norm"),
     "rms_norm": memory_bound_cases("rms_norm"),
+    "swiglu": memory_bound_cases("swiglu"),
+    "geglu": memory_bound_cases("geglu"),
     "matmul": matmul_cases,
     "grouped_matmul": grouped_matmul_cases,
     "flash_attn": flash_attn_cases,

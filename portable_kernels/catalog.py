@@ -19,6 +19,8 @@ FAMILIES = (
     "dropout",
     "layer_norm",
     "rms_norm",
+    "swiglu",
+    "geglu",
     "flash_attn",
     "matmul",
     "grouped_matmul",

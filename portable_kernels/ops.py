@@ -15,6 +15,8 @@ op                 signature                                             backwar
 ``asin``           ``(x) -> out``                                        ``g / sqrt(1-x^2)``
 ``layer_norm``     ``(x, weight, bias, eps=1e-5) -> out``                our bwd kernels
 ``rms_norm``       ``(x, weight, eps=1e-6, offset=0.0) -> out``          our bwd kernels
+``swiglu``         ``(gate, up=None) -> out``                            our bwd kernel
+``geglu``          ``(gate, up=None) -> out``                            our bwd kernel
 ``matmul``         ``(a, b) -> out``                                     our matmul
 ``grouped_matmul`` ``(list_a, list_b) -> list_out``                      our grouped_matmul
 ``flash_attn``     ``(q, k, v, causal=False, sm_scale=None) -> out``     our bwd kernels
@@ -70,6 +72,8 @@ __all__ = [
     "matmul",
     "rms_norm",
     "softmax",
+    "swiglu",
+    "geglu",
     "vector_add",
     "OPS",
 ]
@@ -77,8 +81,8 @@ __all__ = [
 NAMESPACE = "portable_kernels"
 
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
-OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "matmul",
-       "grouped_matmul", "flash_attn")
+OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
+       "geglu", "matmul", "grouped_matmul", "flash_attn")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -348,6 +352,79 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
 
 
 _LIB.impl("rms_norm", rms_norm, "CompositeImplicitAutograd")
+
+
+# --- swiglu, geglu ---------------------------------------------------------------------------
+# One operator each; their backward is one op for separate gate and up and one for a fused
+# (..., 2I) input, so that a fused input's gradient is written in place, not concatenated.
+
+def _glu_plan(name: str, gate: Tensor):
+    return _handle(name).plan(gate)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::glu_backward", mutates_args=())
+def glu_backward(grad: Tensor, gate: Tensor, up: Tensor, gelu: bool) -> tuple[Tensor, Tensor]:
+    """``(dgate, dup)`` of ``act(gate) * up`` (``gelu``: geglu's, else swiglu's)."""
+    plan = _glu_plan("geglu" if gelu else "swiglu", gate)
+    with _on(gate.device):
+        return _family("_glu").backward(plan, grad, gate, up, gelu, fused=False)
+
+
+@glu_backward.register_fake
+def _(grad, gate, up, gelu):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::glu_backward_fused", mutates_args=())
+def glu_backward_fused(grad: Tensor, gate_up: Tensor, gelu: bool) -> Tensor:
+    """The (..., 2I) gradient of ``act(gate) * up`` for one fused ``gate_up`` input."""
+    plan = _glu_plan("geglu" if gelu else "swiglu", gate_up)
+    half = gate_up.shape[-1] // 2
+    with _on(gate_up.device):
+        return _family("_glu").backward(plan, grad, gate_up[..., :half], gate_up[..., half:],
+                                        gelu, fused=True)[0]
+
+
+@glu_backward_fused.register_fake
+def _(grad, gate_up, gelu):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _glu_op(name: str, gelu: bool):
+    @torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+    def op(gate: Tensor, up: Optional[Tensor] = None) -> Tensor:
+        plan = _glu_plan(name, gate)
+        glu = _family("_glu")
+        g, u, _ = glu._halves(name, gate, up)
+        with _on(gate.device):
+            return glu.forward(plan, g, u, gelu)
+
+    @op.register_fake
+    def _(gate, up=None):
+        shape = gate.shape if up is not None else (*gate.shape[:-1], gate.shape[-1] // 2)
+        return gate.new_empty(shape)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*[t for t in inputs if t is not None])
+        ctx.fused = inputs[1] is None
+
+    def backward(ctx, grad):
+        if ctx.fused:
+            (gate_up,) = ctx.saved_tensors
+            return glu_backward_fused(grad, gate_up, gelu), None
+        gate, up = ctx.saved_tensors
+        return glu_backward(grad, gate, up, gelu)
+
+    op.register_autograd(backward, setup_context=setup)
+    return op
+
+
+swiglu = _glu_op("swiglu", gelu=False)
+swiglu.__doc__ = ("``silu(gate) * up`` for ``gate``, ``up`` (..., I) of one float dtype, or "
+                  "one fused (..., 2I) ``gate`` with ``up`` None; differentiable.")
+geglu = _glu_op("geglu", gelu=True)
+geglu.__doc__ = ("``gelu_tanh(gate) * up`` for ``gate``, ``up`` (..., I) of one float dtype, "
+                 "or one fused (..., 2I) ``gate`` with ``up`` None; differentiable.")
 
 
 # --- matmul ---------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from conftest import DEVICE
 from portable_kernels import ops
 from portable_kernels.conformance import test_flash_attn as flash_attn_suite
 from portable_kernels.conformance import test_layer_norm as layer_norm_suite
+from portable_kernels.conformance import _glu_suite
 from portable_kernels.conformance import test_rms_norm as rms_norm_suite
 from portable_kernels.conformance.harness import Inputs, poisoned_allocations
 from portable_kernels.conformance.test_asin import EDGES as ASIN_EDGES
@@ -94,6 +95,8 @@ EXAMPLES = {
     "asin": 40,
     "layer_norm": 30,
     "rms_norm": 20,
+    "swiglu": 25,
+    "geglu": 25,
     "matmul": 20,
     "grouped_matmul": 14,
     "flash_attn": 14,
@@ -310,8 +313,8 @@ def leaves(*tensors):
 
 # --- every family has a fuzzer ---------------------------------------------------------------
 
-FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "matmul",
-          "grouped_matmul", "flash_attn")
+FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
+          "geglu", "matmul", "grouped_matmul", "flash_attn")
 
 
 @pytest.mark.parametrize("family", pk.list_kernels())
@@ -326,19 +329,20 @@ def test_every_fuzzer_has_a_family():
 
 def test_handle_differentiability():
     """Which API carries gradients (the premise of the backward checks below): the handles
-    of dropout, layer_norm, rms_norm and flash_attn, and every ``ops`` operator."""
+    of dropout, the norms, the gated activations and flash_attn, and every ``ops`` operator."""
     x = torch.rand(2, 16, device=DEVICE, requires_grad=True)
     w = torch.ones(16, device=DEVICE, requires_grad=True)
     q = torch.rand(1, 1, 4, 16, device=DEVICE, requires_grad=True)
     calls = {
         "vector_add": (x, x), "softmax": (x,), "dropout": (x, 0.5, 1), "asin": (x,),
-        "layer_norm": (x, w, w), "rms_norm": (x, w), "matmul": (x, x.t()),
+        "layer_norm": (x, w, w), "rms_norm": (x, w), "swiglu": (x, x), "geglu": (x,),
+        "matmul": (x, x.t()),
         "grouped_matmul": ([x], [x.t()]),
         "flash_attn": (q, q, q),
     }
     handle_grad = {name for name, args in calls.items()
                    if _requires_grad(pk.get_kernel(name)(*args))}
-    assert handle_grad == {"dropout", "layer_norm", "rms_norm", "flash_attn"}
+    assert handle_grad == {"dropout", "layer_norm", "rms_norm", "swiglu", "geglu", "flash_attn"}
     assert all(_requires_grad(getattr(ops, name)(*args)) for name, args in calls.items())
 
 
@@ -711,6 +715,76 @@ def test_rms_norm(dtype, case):
             name = ("dx", "dweight")[i]
             t = rms_norm_suite.tolerance_for(tol, name, expect, inputs, [g])
             check_output(got, expect, dtype, t, f"rms_norm[{variant}] {name}", contiguous=False)
+
+
+# --- swiglu, geglu -----------------------------------------------------------------------------
+
+@st.composite
+def glu_cases(draw):
+    ndim = draw(st.integers(1, 3))
+    i = draw(st.one_of(st.sampled_from([1, 37, 4097, 0]), st.integers(0, 5000)))
+    lead = draw(shapes(ndim - 1, 300, 30000 // max(1, i)))
+    return dict(shape=(*lead, i), fused=draw(st.booleans()), gate=draw(layouts(ndim)),
+                up=draw(layouts(ndim)), grad=draw(layouts(ndim)),
+                scale=draw(st.sampled_from([1.0, 4.0, 30.0])),
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+def _glu64(name, gate, up):
+    act = (torch.nn.functional.gelu(gate, approximate="tanh") if name == "geglu"
+           else torch.nn.functional.silu(gate))
+    return act * up
+
+
+def _check_glu(name, dtype, case):
+    gen = _gen(case["seed"])
+    shape = case["shape"]
+    if case["fused"]:
+        gu = make((*shape[:-1], 2 * shape[-1]), dtype, case["gate"], gen, _normal(case["scale"]))
+        args = (gu,)
+        gate, up = gu[..., :shape[-1]], gu[..., shape[-1]:]
+    else:
+        gate = make(shape, dtype, case["gate"], gen, _normal(case["scale"]))
+        up = make(shape, dtype, case["up"], gen)
+        args = (gate, up)
+    ref = _glu64(name, gate.cpu().double(), up.cpu().double())
+    before = snapshot(*args)
+    tol = tolerance(dtype, "reduction")
+    for variant in runnable_variants(name, *args):
+        with forced(name, variant):
+            out = call(name, case["api"], *args)
+        check_output(out, ref, dtype, tol, f"{name}[{variant}]")
+        assert_unchanged(before, args, f"{name}[{variant}]")
+        if not out.numel():
+            continue
+        mine, ref64 = leaves(*args)
+        g = make(out.shape, dtype, case["grad"], gen)
+        with forced(name, variant):
+            grads = torch.autograd.grad(call(name, case["api"], *mine), mine, g)
+        r_gate, r_up = (ref64[0][..., :shape[-1]], ref64[0][..., shape[-1]:]) if case["fused"] else ref64
+        refs = torch.autograd.grad(_glu64(name, r_gate, r_up), ref64, g.cpu().double())
+        inputs = Inputs((gate, up))
+        if case["fused"]:  # one (..., 2I) gradient: dgate's bound covers both halves
+            t = _glu_suite.tolerance_for(tol, "dgate", refs[0], inputs, [g])
+            check_output(grads[0], refs[0], dtype, t, f"{name}[{variant}] dgate_up", contiguous=False)
+            continue
+        for arg, got, expect in zip(("dgate", "dup"), grads, refs):
+            t = _glu_suite.tolerance_for(tol, arg, expect, inputs, [g])
+            check_output(got, expect, dtype, t, f"{name}[{variant}] {arg}", contiguous=False)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("swiglu")
+@given(case=glu_cases())
+def test_swiglu(dtype, case):
+    _check_glu("swiglu", dtype, case)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("geglu")
+@given(case=glu_cases())
+def test_geglu(dtype, case):
+    _check_glu("geglu", dtype, case)
 
 
 # --- matmul ---------------------------------------------------------------------------------

@@ -59,6 +59,13 @@ CASES = {
                                    _randn(g, d, 33, scale=0.2).requires_grad_(rg), 1e-6, 1.0),
                  lambda x, w, eps, offset: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (w + offset),
                  "reduction"),
+    "swiglu": (lambda g, d, rg: (_randn(g, d, 3, 5, 33, requires_grad=rg),
+                                 _randn(g, d, 3, 5, 33, requires_grad=rg)),
+               lambda gate, up: torch.nn.functional.silu(gate) * up, "reduction"),
+    # Fused: one (..., 2I) gate-up tensor.
+    "geglu": (lambda g, d, rg: (_randn(g, d, 3, 5, 66, requires_grad=rg),),
+              lambda gu: torch.nn.functional.gelu(gu[..., :33], approximate="tanh") * gu[..., 33:],
+              "reduction"),
     "matmul": (lambda g, d, rg: (_randn(g, d, 9, 33, requires_grad=rg),
                                  _randn(g, d, 33, 17, requires_grad=rg)),
                lambda a, b: a @ b, "dot"),
@@ -215,6 +222,7 @@ class _Block(torch.nn.Module):
         a = ops.flash_attn(q, k, v, causal=True).transpose(1, 2).reshape(b * n, dim)
         o = ops.dropout(ops.matmul(a, self.proj).reshape(b, n, dim), 0.1, 1234)
         o = ops.rms_norm(o, self.weight, 1e-6, 1.0)
+        o = ops.swiglu(o, ops.geglu(torch.cat([o, x], dim=-1)))
         return ops.softmax(ops.asin(torch.tanh(ops.vector_add(x, o))), dim=-1)
 
 

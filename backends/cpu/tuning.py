@@ -13,6 +13,8 @@ from portable_kernels_backends import _common
 # (kernel, variant) first, then (kernel, None) for every variant of the kernel.
 _CONFIGS: dict[tuple[str, str | None], triton.Config] = {
     ("vector_add", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
+    ("swiglu", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
+    ("geglu", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
     ("softmax", None): triton.Config({"MAX_BLOCK_N": 1024}, num_warps=1),
     ("dropout", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),
     ("asin", None): triton.Config({"BLOCK_SIZE": 4096}, num_warps=1),

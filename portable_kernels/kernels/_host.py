@@ -4,6 +4,7 @@ Every check runs before any allocation or launch, so bad input never reaches Tri
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -12,6 +13,7 @@ from triton.runtime import _allocation
 
 from ..device import DeviceInfo
 from ..errors import ArgumentError, DTypeError, InputError
+from ..launch import launch_guard
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: The 8-bit float formats of ``tl.dot``: the OCP ones (NVIDIA from sm_89, AMD gfx950:
@@ -252,6 +254,14 @@ def next_power_of_2(n: int) -> int:
 
 
 # --- shared by the 1-D elementwise families (vector_add, asin, dropout) ---------------------
+
+def launching(device: torch.device) -> Any:
+    """What launches on ``device`` outside a handle's call must run inside (an autograd
+    backward, which torch calls later and maybe from another thread): the handle's own
+    ``launch_guard``, or nothing where none is needed."""
+    guard = launch_guard(device)
+    return contextlib.nullcontext() if guard is None else guard
+
 
 def elementwise_launch(plan: Any, n: int) -> tuple[tuple[int], dict]:
     """The grid and launch keywords of a 1-D elementwise kernel over ``n`` elements: one

@@ -131,7 +131,8 @@ class _DropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _apply(ctx.plan, grad_out, ctx.p, ctx.seed), None, None, None
+        with _host.launching(grad_out.device):
+            return _apply(ctx.plan, grad_out, ctx.p, ctx.seed), None, None, None
 
 
 # --- reference ------------------------------------------------------------------------------

@@ -1097,7 +1097,8 @@ class _FlashAttnFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        with _host.launching(dout.device):
+            dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
         return None, dq, dk, dv, None, None
 
 

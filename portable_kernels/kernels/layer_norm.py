@@ -356,7 +356,8 @@ class _LayerNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         rows, weight, mean, rstd = ctx.saved_tensors
         dy = grad_out.reshape(rows.shape)
-        dx, dw, db = _backward(ctx.plan, dy, rows, weight, mean, rstd)
+        with _host.launching(dy.device):
+            dx, dw, db = _backward(ctx.plan, dy, rows, weight, mean, rstd)
         return dx.reshape(grad_out.shape), dw, db, None, None
 
 

@@ -94,7 +94,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         rows, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(ctx.plan, grad_out.reshape(rows.shape), rows, weight, rstd, ctx.offset)
+        with _host.launching(grad_out.device):
+            dx, dw = _backward(ctx.plan, grad_out.reshape(rows.shape), rows, weight, rstd, ctx.offset)
         return dx.reshape(grad_out.shape), dw, None, None, None
 
 
