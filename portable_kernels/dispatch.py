@@ -303,11 +303,12 @@ class KernelHandle:
     so compiled code may call handles as eager code does.
     """
 
-    __slots__ = ("name", "_host", "_problem", "_cache", "summary", "_traced")
+    __slots__ = ("name", "_host", "_problem", "_cache", "summary", "_traced", "_grad_op")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._host: plugins.PluginHost | None = None
+        self._grad_op = GRAD_OPS.get(name)
         if _compiling():
             # A handle made inside a compiled function: the plugin host may not exist yet,
             # and building it (entry points, locks) cannot be traced. Tracing needs only
@@ -334,6 +335,10 @@ class KernelHandle:
             return self._traced(*args, **kwargs)
         if plugins._HOST is not self._host:
             self._bind()
+        if self._grad_op is not None and torch.is_grad_enabled() and _wants_grad(args, kwargs):
+            # A family whose launcher returns no grad_fn: its operator carries the gradient
+            # (inside it grad mode is off, so this does not recurse).
+            return self._grad_op(*args, **kwargs)
         try:
             key = (self._problem(*args, **kwargs), _context.current.get())
         except TypeError as exc:
@@ -403,6 +408,24 @@ def _problem(name: str, problem: Any, args: tuple, kwargs: dict) -> Any:
         return problem(*args, **kwargs)
     except TypeError as exc:
         raise _signature_error(name, problem, args, kwargs) or exc
+
+
+#: Kernel name -> its operator, for the families whose launchers return tensors without a
+#: ``grad_fn``: a handle call that needs a gradient goes through the operator (filled by
+#: :mod:`portable_kernels.ops`, as TRACED_OPS).
+GRAD_OPS: dict[str, Callable[..., Any]] = {}
+
+
+def _wants_grad(args: tuple, kwargs: dict) -> bool:
+    """Whether any tensor argument (or tensor in a list argument) requires grad."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)) and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in a):
+            return True
+    return False
 
 
 #: Kernel name -> its torch operator, the public function of :mod:`portable_kernels.ops`,

@@ -590,5 +590,8 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
 _LIB.impl("flash_attn", flash_attn, "CompositeImplicitAutograd")
 
 
-# Handles trace as these operators under torch.compile (dispatch._traced_call).
+# Handles trace as these operators under torch.compile (dispatch._traced_call), and the
+# families whose launchers do not differentiate take them for calls that need a gradient.
 dispatch.TRACED_OPS.update({name: globals()[name] for name in OPS})
+dispatch.GRAD_OPS.update({name: globals()[name]
+                          for name in ("vector_add", "softmax", "asin", "matmul", "grouped_matmul")})

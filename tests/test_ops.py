@@ -237,8 +237,8 @@ def test_torch_compile_fullgraph_matches_eager(calls, gen, device):
     x = _randn(gen, device, 2, 8, 32, requires_grad=True)
     params = [*block.parameters(), x]
 
-    # The eager side through the ops: eager calls of some handles (softmax, matmul, ...)
-    # are not differentiable, the ops are, and a traced handle is its op.
+    # The eager side through the ops (a traced handle is its op, and an eager handle
+    # call that needs a gradient takes it too).
     eager = block(x)
     eager.square().sum().backward()
     eager_grads = [p.grad.clone() for p in params]
