@@ -322,6 +322,21 @@ def test_conformance_rejects_a_bad_device_before_pytest(tmp_path):
     assert not (tmp_path / "pytest.log").exists() and not proc.stdout
 
 
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "--pk-device gpu: not a device name"),
+    ("cpu:3", "--pk-device cpu:3: the CPU has no index but 0"),
+    ("cuda:99", "--pk-device cuda:99: torch sees"),
+])
+def test_pytest_with_a_bad_device_stops_with_one_error(device, message):
+    """Run through pytest directly, a device that cannot be tested is one usage error before
+    collection, not a failure of every case."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "portable_kernels.conformance",
+                           "--pk-device", device, "--pk-quick", "-q", "-p", "no:cacheprovider",
+                           "-k", "vector_add"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stdout[-2000:]  # pytest's usage-error exit code
+    assert message in proc.stderr and "FAILED" not in proc.stdout, proc.stderr[-2000:]
+
+
 # --- the pieces, in-process ------------------------------------------------------------------------
 
 def suite_module(kernel: str):

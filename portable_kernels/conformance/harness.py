@@ -398,6 +398,28 @@ def synchronize(device: torch.device) -> None:
 
 # --- the device under test ----------------------------------------------------------------------
 
+def check_device(option: str | None) -> torch.device:
+    """``option`` as a ``torch.device`` (default: the GPU when torch sees one, else the
+    CPU), or ``DeviceError`` naming it when it is no device name or torch sees no such
+    device here (an index past the count included). Changes nothing."""
+    name = option or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise pk.DeviceError(f"--pk-device {name}: not a device name ({exc})") from None
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise pk.DeviceError(f"--pk-device {name}: the CPU has no index but 0")
+    mod = getattr(torch, device.type, None)
+    if device.type == "cpu" or mod is None or not hasattr(mod, "device_count"):
+        return device
+    count = mod.device_count()
+    if count == 0:
+        raise pk.DeviceError(f"--pk-device {name}: torch sees no {device.type} device here")
+    if device.index is not None and device.index >= count:
+        raise pk.DeviceError(f"--pk-device {name}: torch sees {count} {device.type} device(s) here")
+    return device
+
+
 def resolve_device(option: str | None) -> torch.device:
     """The device to test: ``option`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``), by default the
     GPU when torch sees one, else the CPU.
@@ -406,16 +428,11 @@ def resolve_device(option: str | None) -> torch.device:
     GPU count (``gw0`` -> ``cuda:0``, ``gw1`` -> ``cuda:1``, ...): ``-n <number of GPUs>``
     runs one worker per GPU. The device is made current for the worker.
     """
-    name = option or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cpu":
-        return device
+    device = check_device(option)
     mod = getattr(torch, device.type, None)
-    if mod is None or not hasattr(mod, "device_count"):
+    if device.type == "cpu" or mod is None or not hasattr(mod, "device_count"):
         return device
     count = mod.device_count()
-    if count == 0:
-        raise pk.DeviceError(f"--pk-device {name}: torch sees no {device.type} device here")
     if device.index is None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
         index = int(worker[2:]) % count if worker[2:].isdigit() else mod.current_device()

@@ -92,8 +92,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Check ``--pk-kernels`` and ``--pk-backend`` against the registry before collecting."""
+    """Check ``--pk-device`` once (not as a failure of every case), and ``--pk-kernels`` and
+    ``--pk-backend`` against the registry, before collecting."""
     config = session.config
+    from portable_kernels import errors
+    from portable_kernels.conformance import harness
+
+    try:
+        harness.check_device(config.getoption("pk_device"))
+    except errors.DeviceError as exc:
+        raise pytest.UsageError(str(exc)) from None
     kernels, backend = _csv(config.getoption("pk_kernels")), config.getoption("pk_backend")
     if not kernels and not backend:
         return
