@@ -749,7 +749,7 @@ def _check_glu(name, dtype, case):
         args = (gate, up)
     ref = _glu64(name, gate.cpu().double(), up.cpu().double())
     before = snapshot(*args)
-    tol = tolerance(dtype, "reduction")
+    tol = tolerance(dtype, "elementwise")
     for variant in runnable_variants(name, *args):
         with forced(name, variant):
             out = call(name, case["api"], *args)

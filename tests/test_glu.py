@@ -27,7 +27,7 @@ def test_separate_gate_and_up(name, dtype, shape, gen, device, nan_empty):
     out = pk.get_kernel(name)(gate, up)
     g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
     ref = _ref(name, g64, u64)
-    tol = tolerance(dtype, "reduction")
+    tol = tolerance(dtype, "elementwise")
     assert out.dtype == dtype and out.is_contiguous()
     assert_close(out, ref, tol, "out")
     dy = torch.randn(shape, generator=gen).to(device, dtype)
@@ -63,7 +63,7 @@ def test_strided_views(name, gen, device):
     gate = torch.randn(40, 24, generator=gen).to(device).t()           # column stride 24
     up = torch.randn(24, 80, generator=gen).to(device)[:, ::2]          # column stride 2
     out = pk.get_kernel(name)(gate, up)
-    assert_close(out, _ref(name, gate, up), tolerance(torch.float32, "reduction"), "out")
+    assert_close(out, _ref(name, gate, up), tolerance(torch.float32, "elementwise"), "out")
 
 
 def test_empty(device):

@@ -61,11 +61,11 @@ CASES = {
                  "reduction"),
     "swiglu": (lambda g, d, rg: (_randn(g, d, 3, 5, 33, requires_grad=rg),
                                  _randn(g, d, 3, 5, 33, requires_grad=rg)),
-               lambda gate, up: torch.nn.functional.silu(gate) * up, "reduction"),
+               lambda gate, up: torch.nn.functional.silu(gate) * up, "elementwise"),
     # Fused: one (..., 2I) gate-up tensor.
     "geglu": (lambda g, d, rg: (_randn(g, d, 3, 5, 66, requires_grad=rg),),
               lambda gu: torch.nn.functional.gelu(gu[..., :33], approximate="tanh") * gu[..., 33:],
-              "reduction"),
+              "elementwise"),
     "matmul": (lambda g, d, rg: (_randn(g, d, 9, 33, requires_grad=rg),
                                  _randn(g, d, 33, 17, requires_grad=rg)),
                lambda a, b: a @ b, "dot"),

@@ -272,15 +272,16 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
 
 def _forward(plan, x, weight, bias, eps, offset: float = 0.0):
     """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow.
-    ``bias`` None: rms_norm (no mean, no bias; ``mean`` is left unwritten), with
+    ``bias`` None: rms_norm (no mean, no bias; ``mean`` is ``rstd`` itself), with
     ``offset`` added to the weight."""
     n_cols = x.shape[-1]
     # reshape(-1, 0) is ambiguous (torch refuses it): with no columns, count the rows.
     rows = x.reshape(-1, n_cols) if n_cols else x.reshape(math.prod(x.shape[:-1]), 0)
     n_rows = rows.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    # rms_norm stores no mean: its kernel gets rstd's pointer there and never writes it.
+    mean = rstd if bias is None else torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y.reshape(x.shape), rows, mean, rstd
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
