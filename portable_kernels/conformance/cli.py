@@ -95,6 +95,8 @@ def _environment(args: argparse.Namespace) -> dict:
     # Only the plugins the suite needs (given with -p): other pytest plugins installed here
     # cannot slow the run down or change it.
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    # The checks that read argument values on the host (a sync per call, off by default).
+    env.setdefault("PK_CHECK_VALUES", "1")
     if (args.device or "").split(":")[0] == "cpu" and "TRITON_INTERPRET" not in env:
         env["PK_INTERPRET"] = "1"  # CPU tensors run under the interpreter, also on a GPU machine
     return env

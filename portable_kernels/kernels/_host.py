@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,6 +78,14 @@ def check_bool(kernel: str, arg: str, value: Any) -> None:
     such as ``"no"`` would otherwise read as true)."""
     if value is not True and value is not False:
         raise ArgumentError(f"{kernel}: {arg} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_values() -> bool:
+    """Whether checks that need tensor values on the host (a device sync: monotonic
+    ``cu_seqlens``, target indices in range, block tables inside the cache) should run:
+    ``PK_CHECK_VALUES=1``, which the conformance suite sets. Never on by default: such a check
+    would stall the stream on every call and break CUDA-graph capture."""
+    return os.environ.get("PK_CHECK_VALUES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
