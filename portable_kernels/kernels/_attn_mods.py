@@ -119,11 +119,19 @@ class Options(NamedTuple):
                 "ALIBI": self.alibi is not None, "SINKS": self.sinks is not None}
 
 
+def plain(causal: bool) -> Options:
+    """The options of a call that sets none: SDPA's attention, causal or not."""
+    return _PLAIN[causal]
+
+
 def check_options(kernel: str, *, causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
                   sinks: Any, batch: int, heads: int, device: torch.device) -> Options:
     """Validate FlashAttention's options, naming the bad argument (before any launch), and
     convert them for the kernels. ``alibi_slopes`` may be (H,) or (B, H); the result is (B, H)
-    (an expanded view, no copy)."""
+    (an expanded view, no copy). A call that sets none takes a few compares."""
+    if (alibi_slopes is None and sinks is None and window_size == (-1, -1)
+            and softcap == 0 and softcap is not False and (causal is True or causal is False)):
+        return _PLAIN[causal]
     _host.check_bool(kernel, "causal", causal)
     try:
         left, right = window_size
@@ -173,6 +181,10 @@ def check_options(kernel: str, *, causal: Any, window_size: Any, softcap: Any, a
             raise _host.InputError(f"{kernel}: sinks must have shape ({heads},) (one logit per "
                                    f"query head), got {tuple(sinks.shape)}")
     return Options(bool(causal), left, right, window, float(softcap) * LOG2E, alibi, sinks)
+
+
+_PLAIN = {c: Options(c, UNBOUNDED, 0 if c else UNBOUNDED, False, 0.0, None, None)
+          for c in (False, True)}
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

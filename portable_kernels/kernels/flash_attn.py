@@ -112,7 +112,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _gluon, _host, flash_attn_gluon
+from . import _attn_mods, _gluon, _host, flash_attn_gluon
 
 NAME = "flash_attn"
 
@@ -239,15 +239,6 @@ def _seq_source(base, n_s, stride_s, D, BLOCK_S: tl.constexpr, BLOCK_DC: tl.cons
 
 
 @triton.jit
-def _head_source(base, b, h, stride_b, stride_h, n_s, stride_s, D, BLOCK_S: tl.constexpr,
-                 BLOCK_DC: tl.constexpr, TMA: tl.constexpr):
-    """:func:`_seq_source` of head ``h`` of batch ``b`` of a (B, H, N, D) tensor (int64
-    offsets: batch and head strides times indices can pass 2**31 elements)."""
-    return _seq_source(base + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h,
-                       n_s, stride_s, D, BLOCK_S, BLOCK_DC, TMA)
-
-
-@triton.jit
 def _read_seq_tile(src, start_s, start_d, offs_s, offs_d, stride_s, stride_d, n_s, D,
                    CHECK_S: tl.constexpr, PAD_D: tl.constexpr, D_MAJOR: tl.constexpr,
                    UPCAST: tl.constexpr, TMA: tl.constexpr):
@@ -302,19 +293,100 @@ def _sum_over_keys(s, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_m, offs_n, N_K, CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Which (query, key) pairs of a score tile count: keys below ``N_K`` and, when causal,
-    keys ``j <= i`` (SDPA's top-left alignment). One compare per score: causal folds both
-    limits into a per-query last key, ``min(i, N_K - 1)`` (loop-invariant, so hoisted)."""
+def _visible(offs_m, offs_n, N_K, diag, left, right,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Which (query, key) pairs of a score tile count (``_attn_mods``: keys below ``N_K``;
+    causal: ``j <= i + diag``; a window: ``-left <= j - i - diag <= right``). Causal alone is
+    one compare per score: it folds both limits into a per-query last key,
+    ``min(i + diag, N_K - 1)`` (loop-invariant, so hoisted)."""
     if TRANSPOSED:
         kj = offs_n[:, None]
     else:
         kj = offs_n[None, :]
-    if CAUSAL:
-        ok = kj <= _per_query(tl.minimum(offs_m, N_K - 1), TRANSPOSED)
+    if WINDOW:
+        ok = _attn_mods.visible(_per_query(offs_m, TRANSPOSED), kj, N_K, diag, left, right,
+                                False, True)
+    elif CAUSAL:
+        ok = kj <= _per_query(tl.minimum(offs_m + diag, N_K - 1), TRANSPOSED)
     else:
         ok = kj < N_K
     return ok
+
+
+@triton.jit
+def _key_bounds(start_m, N_K, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """The key range of a tile of queries ``[start_m, start_m + BLOCK_M)`` in three stages:
+    ``[lo, full_lo)`` masked (blocks across a window's left edge), ``[full_lo, full_hi)``
+    visible to every row of the tile (no mask), ``[full_hi, hi)`` masked (the causal
+    diagonal or a window's right edge, and the Nk tail). Each bound but ``hi`` is a multiple
+    of ``BLOCK_N``; an empty stage has equal ends. The set of queries that see a key is an
+    interval, so a block the tile's first and last rows see in full, every row sees."""
+    if WINDOW:
+        last = start_m + BLOCK_M - 1
+        lo = tl.maximum(start_m + diag - left, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(last + diag + right + 1, N_K)
+        full_lo = tl.cdiv(tl.maximum(last + diag - left, 0), BLOCK_N) * BLOCK_N
+        full_hi = tl.maximum(tl.minimum(start_m + diag + right + 1, N_K), 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
+        full_hi = tl.maximum(full_hi, full_lo)
+    elif CAUSAL:
+        lo = 0
+        full_lo = 0
+        hi = tl.minimum(start_m + BLOCK_M + diag, N_K)
+        full_hi = tl.maximum(tl.minimum(start_m + diag + 1, N_K), 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+        full_lo = 0
+        hi = N_K
+        full_hi = N_K // BLOCK_N * BLOCK_N
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_bounds(start_n, N_Q, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``[lo, hi)``: the queries that may see a key of ``[start_n, start_n + BLOCK_N)``
+    (``lo`` a multiple of ``BLOCK_M``): query ``i`` sees key ``j`` only for
+    ``j - diag - right <= i <= j - diag + left``."""
+    if WINDOW:
+        lo = tl.maximum(start_n - diag - right, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N - diag + left, N_Q)
+    elif CAUSAL:
+        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        hi = N_Q
+    else:
+        lo = 0
+        hi = N_Q
+    return lo, hi
+
+
+@triton.jit
+def _capped_scores(s2, offs_m, offs_n, diag, softcap2, alibi2, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``(scores, capped)`` of log2-domain scores: softcap, then ALiBi (``_attn_mods``);
+    ``capped`` is the score after the cap and before ALiBi, which the backward's chain rule
+    through the cap needs."""
+    if TRANSPOSED:
+        kj = offs_n[:, None]
+    else:
+        kj = offs_n[None, :]
+    qi = _per_query(offs_m, TRANSPOSED)
+    capped = _attn_mods.modify_scores(s2, qi, kj, diag, softcap2, alibi2, SOFTCAP, False)
+    return _attn_mods.modify_scores(capped, qi, kj, diag, softcap2, alibi2, False, ALIBI), capped
+
+
+@triton.jit
+def _seq_bounds(Cu, b, VARLEN: tl.constexpr):
+    """``(start, length)`` of sequence ``b`` of a packed batch (``cu_seqlens``), or
+    ``(0, 0)`` without ``VARLEN`` (the caller keeps its dense length)."""
+    if VARLEN:
+        start = tl.load(Cu + b)
+        length = tl.load(Cu + b + 1) - start
+    else:
+        start = 0
+        length = 0
+    return start, length
 
 
 @triton.jit
@@ -331,6 +403,16 @@ def _mma(a, b, acc, SWAP: tl.constexpr):
 # --- forward inner loop (V0, V1 and V2 alike) -------------------------------------------------
 
 @triton.jit
+def _finite_max(m, MAY_EMPTY: tl.constexpr):
+    """The running max to subtract in exp2: ``m``, or 0 where a row has seen no key yet
+    (``m = -inf``; only possible with ``MAY_EMPTY``), so that ``exp2(-inf - m)`` is 0 and not
+    NaN."""
+    if MAY_EMPTY:
+        m = tl.where(m == float("-inf"), 0.0, m)
+    return m
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc0, acc1, l_i, m_i,                         # running state (see the kernel)
     q0, q1,                                       # query tile, one chunk per head-dim split
@@ -344,7 +426,10 @@ def _attn_fwd_inner(
     UPCAST: tl.constexpr, DEFERRED: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    RAW_MAX: tl.constexpr,                        # qk_scale > 0 (see the kernel)
+    RAW_MAX: tl.constexpr,                        # qk_scale > 0 and no score mods (the kernel)
+    diag, left, right, softcap2, alibi2,          # the options (_attn_mods; the kernel)
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    MAY_EMPTY: tl.constexpr,                      # a row may see no key at all
 ):
     # K is the right operand of q·kᵀ (so loaded as a Kᵀ view) in the normal orientation and
     # the left operand of K·Qᵀ in the transposed one; V the other way round.
@@ -363,11 +448,15 @@ def _attn_fwd_inner(
             s = _mma(q1, k1, s, TRANSPOSED)
         if not RAW_MAX:
             s = s * qk_scale
+        if SOFTCAP or ALIBI:
+            s, _ = _capped_scores(s, offs_m, offs_n, diag, softcap2, alibi2, SOFTCAP, ALIBI,
+                                  TRANSPOSED)
         if MASKED:
             # -inf: exp2 gives exactly 0, and the max never comes from a hidden key. Every
             # row sees key 0, so m_new below is finite and exp2(-inf - m_new) is no NaN.
             # (Descriptor loads read keys past Nk as zeros: finite scores, so masked too.)
-            s = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, TRANSPOSED), s, float("-inf"))
+            s = tl.where(_visible(offs_m, offs_n, N_K, diag, left, right, CAUSAL, WINDOW,
+                                  TRANSPOSED), s, float("-inf"))
         # -- online softmax: rescale what was accumulated under the old max --
         if RAW_MAX:
             # A positive scale commutes with the max: take it over the raw scores and fold
@@ -375,11 +464,13 @@ def _attn_fwd_inner(
             # fewer (-inf stays -inf). The FMA is written out (here and in the backward's
             # exp2): Triton may stop contracting mul+add by default (triton-lang/triton#11270).
             m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED) * qk_scale)
-            p = tl.math.exp2(tl.fma(s, qk_scale, -_per_query(m_new, TRANSPOSED)))
+            m_use = _finite_max(m_new, MAY_EMPTY)
+            p = tl.math.exp2(tl.fma(s, qk_scale, -_per_query(m_use, TRANSPOSED)))
         else:
             m_new = tl.maximum(m_i, _max_over_keys(s, TRANSPOSED))
-            p = tl.math.exp2(s - _per_query(m_new, TRANSPOSED))
-        alpha = tl.math.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf)
+            m_use = _finite_max(m_new, MAY_EMPTY)
+            p = tl.math.exp2(s - _per_query(m_use, TRANSPOSED))
+        alpha = tl.math.exp2(m_i - m_use)  # 0 on the first block (m_i = -inf)
         if DEFERRED:
             # Elementwise partial sums: no cross-thread reduction inside the loop.
             l_i = l_i * _per_query(alpha, TRANSPOSED) + p
@@ -410,6 +501,8 @@ def _flash_attn_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, N_Q, N_K, D,                                    # sizes; GROUP = H // H_kv
     qk_scale,                                                 # sm_scale * log2(e)
+    CuQ, CuK, Alibi, Sinks,                                   # options (_mod_args)
+    stride_ab, stride_ah, lse_stride_h, left, right, softcap2,
     N_BUCKET,                                                 # autotuning key only (_bucket)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr,                # per call
@@ -417,6 +510,10 @@ def _flash_attn_fwd_kernel(
     HEAD_SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     RAW_MAX: tl.constexpr,                                    # per call: qk_scale > 0
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,  # per call: the options
+    ALIBI: tl.constexpr = False, SINKS: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, ALIGN_BR: tl.constexpr = False,
+    MAY_EMPTY: tl.constexpr = False,
 ):
     # --- program id to tile ---
     start_m = tl.program_id(0) * BLOCK_M
@@ -424,11 +521,25 @@ def _flash_attn_fwd_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP  # the K/V head this query head shares with its group
+    # A packed batch (VARLEN): sequence b's rows start at cu_seqlens[b] of one long (N, D)
+    # matrix per head; its lengths replace the dense ones (the grid covers the longest).
+    q_start, n_q = _seq_bounds(CuQ, b, VARLEN)
+    k_start, n_k = _seq_bounds(CuK, b, VARLEN)
+    if VARLEN:
+        N_Q = n_q
+        N_K = n_k
+        if start_m >= N_Q:
+            return
     # int64 bases: batch and head strides times indices can pass 2**31 elements.
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     o_base = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    if VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        o_base += q_start.to(tl.int64) * stride_om
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
     offs_m = start_m + tl.arange(0, BLOCK_M)
     BLOCK_DC: tl.constexpr = BLOCK_D // HEAD_SPLIT
     offs_d0 = tl.arange(0, BLOCK_DC)
@@ -439,6 +550,15 @@ def _flash_attn_fwd_kernel(
     k_src = _seq_source(k_base, N_K, stride_kn, D, BLOCK_N, BLOCK_DC, TMA)
     v_src = _seq_source(v_base, N_K, stride_vn, D, BLOCK_N, BLOCK_DC, TMA)
     o_src = _seq_source(o_base, N_Q, stride_om, D, BLOCK_M, BLOCK_DC, TMA)
+    # The options: alignment of the diagonal, this head's ALiBi slope (log2 units).
+    if ALIGN_BR:
+        diag = N_K - N_Q
+    else:
+        diag = 0
+    if ALIBI:
+        alibi2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+    else:
+        alibi2 = 0.0
 
     # --- query tile: loaded once, held for the whole key loop ---
     # Rows past Nq read as 0: their scores are finite and their outputs are never stored.
@@ -450,28 +570,32 @@ def _flash_attn_fwd_kernel(
                             N_Q, D, True, PAD_D, TRANSPOSED, UPCAST, TMA)
 
     # --- running state: max and row sum in the exp2 domain, fp32 accumulators ---
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if DEFERRED:
-        if TRANSPOSED:
-            l_i = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        else:
-            l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # A sink is a key with logit sink[h] and value 0: the state starts as if it had been
+    # seen (max = its logit, sum = exp2(0) = 1), so it takes its share and adds nothing.
+    if SINKS:
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(Sinks + h).to(tl.float32) * LOG2E
+        l_init = 1.0
     else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_init = 0.0
+    if DEFERRED:
+        # The sink's 1 spread over the partial sums (BLOCK_N is a power of two: exact).
+        if TRANSPOSED:
+            l_i = tl.full([BLOCK_N, BLOCK_M], l_init / BLOCK_N, tl.float32)
+        else:
+            l_i = tl.full([BLOCK_M, BLOCK_N], l_init / BLOCK_N, tl.float32)
+    else:
+        l_i = tl.full([BLOCK_M], l_init, tl.float32)
     if TRANSPOSED:
         acc0 = tl.zeros([BLOCK_DC, BLOCK_M], tl.float32)
     else:
         acc0 = tl.zeros([BLOCK_M, BLOCK_DC], tl.float32)
     acc1 = acc0
 
-    # --- key loop: blocks every row sees in full (no mask), then diagonal and tail ---
-    if CAUSAL:
-        # Keys below start_m are visible to every row of the tile; none past its last row.
-        full_end = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M, N_K)
-    else:
-        full_end = N_K // BLOCK_N * BLOCK_N
-        hi = N_K
+    # --- key loop: blocks across a window's left edge (masked), blocks every row sees in
+    # full (no mask), then the diagonal or the window's right edge and the tail (masked) ---
+    lo, full_lo, full_hi, hi = _key_bounds(start_m, N_K, diag, left, right, BLOCK_M, BLOCK_N,
+                                           CAUSAL, WINDOW)
     if WARP_SPECIALIZE:
         # One warp-specialized loop over every block, each masked: Triton 3.6 cannot
         # warp-specialize for sm_90 a kernel with dots outside the specialized loop (the
@@ -479,57 +603,113 @@ def _flash_attn_fwd_kernel(
         acc0, acc1, l_i, m_i = _attn_fwd_inner(
             acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
-            0, hi, N_K, D, qk_scale,
+            lo, hi, N_K, D, qk_scale,
             BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
-            TMA, True, RAW_MAX)
+            TMA, True, RAW_MAX, diag, left, right, softcap2, alibi2,
+            WINDOW, SOFTCAP, ALIBI, MAY_EMPTY)
     else:
+        if WINDOW:
+            acc0, acc1, l_i, m_i = _attn_fwd_inner(
+                acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
+                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
+                lo, full_lo, N_K, D, qk_scale,
+                BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT,
+                TRANSPOSED, TMA, False, RAW_MAX, diag, left, right, softcap2, alibi2,
+                WINDOW, SOFTCAP, ALIBI, MAY_EMPTY)
         acc0, acc1, l_i, m_i = _attn_fwd_inner(
             acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
-            0, full_end, N_K, D, qk_scale,
+            full_lo, full_hi, N_K, D, qk_scale,
             BLOCK_N, BLOCK_DC, False, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
-            TMA, False, RAW_MAX)
+            TMA, False, RAW_MAX, diag, left, right, softcap2, alibi2,
+            WINDOW, SOFTCAP, ALIBI, MAY_EMPTY)
         acc0, acc1, l_i, m_i = _attn_fwd_inner(
             acc0, acc1, l_i, m_i, q0, q1, k_src, v_src,
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d0, offs_d1,
-            full_end, hi, N_K, D, qk_scale,
+            full_hi, hi, N_K, D, qk_scale,
             BLOCK_N, BLOCK_DC, True, CAUSAL, PAD_D, UPCAST, DEFERRED, HEAD_SPLIT, TRANSPOSED,
-            TMA, False, RAW_MAX)
+            TMA, False, RAW_MAX, diag, left, right, softcap2, alibi2,
+            WINDOW, SOFTCAP, ALIBI, MAY_EMPTY)
 
     # --- write-back: normalize, store out (through transposed strides if so) and LSE ---
     if DEFERRED:
         l_i = _sum_over_keys(l_i, TRANSPOSED)  # the one cross-thread reduction of the sums
-    inv_l = _per_query(1.0 / l_i, TRANSPOSED)
+    if MAY_EMPTY:
+        # A row that saw no key has acc = 0 and l = 0: its output is 0, not 0/0.
+        inv_l = _per_query(tl.where(l_i > 0, 1.0 / l_i, 0.0), TRANSPOSED)
+    else:
+        inv_l = _per_query(1.0 / l_i, TRANSPOSED)
     _write_seq_tile(o_src, acc0 * inv_l, start_m, 0, offs_m, offs_d0, stride_om, stride_od,
                     N_Q, D, PAD_D, TRANSPOSED, TMA)
     if HEAD_SPLIT == 2:
         _write_seq_tile(o_src, acc1 * inv_l, start_m, BLOCK_DC, offs_m, offs_d1, stride_om,
                         stride_od, N_Q, D, PAD_D, TRANSPOSED, TMA)
+    # -inf for a row that saw nothing (m = -inf, log2 0 = -inf).
     lse = (m_i + tl.math.log2(l_i)) * LN2
-    tl.store(Lse + bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+    tl.store(Lse + _lse_row(bh, h, N_Q, q_start, lse_stride_h, VARLEN) + offs_m, lse,
+             mask=offs_m < N_Q)
+
+
+@triton.jit
+def _lse_row(bh, h, N_Q, q_start, lse_stride_h, VARLEN: tl.constexpr):
+    """Where (batch, head)'s row of the LSE (and delta) starts: (B, H, Nq) dense, or
+    FlashAttention's (H, total_q) for a packed batch."""
+    if VARLEN:
+        row = h.to(tl.int64) * lse_stride_h + q_start
+    else:
+        row = bh.to(tl.int64) * N_Q
+    return row
 
 
 @triton.jit
 def _flash_attn_bwd_preprocess_kernel(
-    Out, DO, Delta,                                           # Delta: fp32 (B, H, Nq)
+    Out, DO, Delta,                                           # Delta: fp32, the LSE's layout
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, N_Q, D,
+    CuQ, lse_stride_h,                                        # a packed batch (VARLEN)
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):
     # --- program id to tile ---
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    q_start, n_q = _seq_bounds(CuQ, b, VARLEN)
+    o_base = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    if VARLEN:
+        N_Q = n_q
+        if start_m >= N_Q:
+            return
+        o_base += q_start.to(tl.int64) * stride_om
+        do_base += q_start.to(tl.int64) * stride_dom
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     # --- delta = rowsum(dO * O), in fp32 whatever the dtype (an elementwise product) ---
-    o = _load_seq_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
-                       offs_m, offs_d, stride_om, stride_od, N_Q, D, True, PAD_D, False, True)
-    do = _load_seq_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
-                        offs_m, offs_d, stride_dom, stride_dod, N_Q, D, True, PAD_D, False, True)
-    tl.store(Delta + bh.to(tl.int64) * N_Q + offs_m, tl.sum(o * do, axis=1), mask=offs_m < N_Q)
+    o = _load_seq_tile(o_base, offs_m, offs_d, stride_om, stride_od, N_Q, D, True, PAD_D, False,
+                       True)
+    do = _load_seq_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, N_Q, D, True, PAD_D,
+                        False, True)
+    tl.store(Delta + _lse_row(bh, h, N_Q, q_start, lse_stride_h, VARLEN) + offs_m,
+             tl.sum(o * do, axis=1), mask=offs_m < N_Q)
+
+
+@triton.jit
+def _bwd_probs(qk, lse2, qk_scale, offs_m, offs_n, diag, softcap2, alibi2,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``(p, dcap)`` from raw scores ``qk`` and the rows' LSE (log2 units): the
+    probabilities the forward used, and the factor that carries a score's gradient back
+    through the softcap (1 without one)."""
+    if SOFTCAP or ALIBI:
+        s2, capped = _capped_scores(qk * qk_scale, offs_m, offs_n, diag, softcap2, alibi2,
+                                    SOFTCAP, ALIBI, TRANSPOSED)
+        p = tl.math.exp2(s2 - _per_query(lse2, TRANSPOSED))
+    else:
+        capped = qk
+        p = tl.math.exp2(tl.fma(qk, qk_scale, -_per_query(lse2, TRANSPOSED)))
+    return p, _attn_mods.softcap_grad(capped, softcap2, SOFTCAP)
 
 
 @triton.jit
@@ -543,43 +723,73 @@ def _flash_attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, H_KV, GROUP, N_Q, N_K, D,                              # sizes
     sm_scale, qk_scale,
+    CuQ, CuK, Alibi, Sinks,                                   # options (_mod_args)
+    stride_ab, stride_ah, lse_stride_h, left, right, softcap2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False, SINKS: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, ALIGN_BR: tl.constexpr = False,
+    MAY_EMPTY: tl.constexpr = False,
 ):
     # --- program id to tile: BLOCK_N keys of one (batch, kv head) ---
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     b = bhk // H_KV
     hk = bhk % H_KV
+    q_start, n_q = _seq_bounds(CuQ, b, VARLEN)
+    k_start, n_k = _seq_bounds(CuK, b, VARLEN)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    dk_base = DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+    dv_base = DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+    q_off = b.to(tl.int64) * stride_qb
+    do_off = b.to(tl.int64) * stride_dob
+    if VARLEN:
+        N_Q = n_q
+        N_K = n_k
+        if start_n >= N_K:
+            return
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        dk_base += k_start.to(tl.int64) * stride_dkn
+        dv_base += k_start.to(tl.int64) * stride_dvn
+        q_off += q_start.to(tl.int64) * stride_qm
+        do_off += q_start.to(tl.int64) * stride_dom
+    if ALIGN_BR:
+        diag = N_K - N_Q
+    else:
+        diag = 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = _head_source(K, b, hk, stride_kb, stride_kh, N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
-    v_src = _head_source(V, b, hk, stride_vb, stride_vh, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
+    k_src = _seq_source(k_base, N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _seq_source(v_base, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
     k = _read_seq_tile(k_src, start_n, 0, offs_n, offs_d, stride_kn, stride_kd, N_K, D,
                        True, PAD_D, False, UPCAST, TMA)
     v = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
                        True, PAD_D, False, UPCAST, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Causal: query blocks wholly above the diagonal (every i < start_n) see none of these keys.
-    # One loop, masked throughout, unlike the forward and the dq kernel: split into the
-    # diagonal blocks (masked) and the rest (no mask), this kernel ran 10-22% slower on the
-    # H200 (causal, fp16, D=64 and 128, N=1024 and 4096, triton 3.6).
-    if CAUSAL:
-        lo = start_n // BLOCK_M * BLOCK_M
-    else:
-        lo = 0
+    # Causal or a window: only the query blocks that may see these keys. One loop, masked
+    # throughout, unlike the forward and the dq kernel: split into the diagonal blocks
+    # (masked) and the rest (no mask), this kernel ran 10-22% slower on the H200 (causal,
+    # fp16, D=64 and 128, N=1024 and 4096, triton 3.6).
+    lo, hi = _query_bounds(start_n, N_Q, diag, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
 
     # --- main loop: every query head of the GQA group, every query block ---
     # Summing the group here, in fp32 registers, is the GQA reduction of dk and dv.
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_src = _head_source(Q, b, h, stride_qb, stride_qh,
-                             N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
-        do_src = _head_source(DO, b, h, stride_dob, stride_doh,
-                              N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
-        row = (b * H + h).to(tl.int64) * N_Q
-        for start_m in range(lo, N_Q, BLOCK_M):
+        q_src = _seq_source(Q + q_off + h.to(tl.int64) * stride_qh, N_Q, stride_qm, D, BLOCK_M,
+                            BLOCK_D, TMA)
+        do_src = _seq_source(DO + do_off + h.to(tl.int64) * stride_doh, N_Q, stride_dom, D,
+                             BLOCK_M, BLOCK_D, TMA)
+        row = _lse_row(b * H + h, h, N_Q, q_start, lse_stride_h, VARLEN)
+        if ALIBI:
+            alibi2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+        else:
+            alibi2 = 0.0
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             # The transposed orientation is natural here: Pᵀ [keys, queries] = exp(K·Qᵀ - LSE).
             qT = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
@@ -589,19 +799,21 @@ def _flash_attn_bwd_dkdv_kernel(
             # Rows past Nq get LSE = +inf so their probabilities are exactly 0.
             lse = tl.load(Lse + row + offs_m, mask=offs_m < N_Q, other=float("inf"))
             delta = tl.load(Delta + row + offs_m, mask=offs_m < N_Q, other=0.0)
-            pT = tl.math.exp2(tl.fma(tl.dot(k, qT), qk_scale, -_per_query(lse * LOG2E, True)))
-            if CAUSAL:
-                pT = tl.where(_visible(offs_m, offs_n, N_K, True, True), pT, 0.0)
+            pT, dcap = _bwd_probs(tl.dot(k, qT), lse * LOG2E, qk_scale, offs_m, offs_n, diag,
+                                  softcap2, alibi2, SOFTCAP, ALIBI, True)
+            if CAUSAL or WINDOW:
+                # A select, not a multiply: a hidden key's exp2 may be inf (a row that sees
+                # no key has LSE = -inf).
+                pT = tl.where(_visible(offs_m, offs_n, N_K, diag, left, right, CAUSAL, WINDOW,
+                                       True), pT, 0.0)
             dv = tl.dot(pT.to(do.dtype), do, dv)
             dpT = tl.dot(v, tl.trans(do))
-            dsT = pT * (dpT - _per_query(delta, True))
+            dsT = pT * (dpT - _per_query(delta, True)) * dcap
             dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
 
     # --- write-back (rows past Nk dropped) ---
-    dk_dst = _head_source(DK, b, hk, stride_dkb, stride_dkh,
-                          N_K, stride_dkn, D, BLOCK_N, BLOCK_D, TMA)
-    dv_dst = _head_source(DV, b, hk, stride_dvb, stride_dvh,
-                          N_K, stride_dvn, D, BLOCK_N, BLOCK_D, TMA)
+    dk_dst = _seq_source(dk_base, N_K, stride_dkn, D, BLOCK_N, BLOCK_D, TMA)
+    dv_dst = _seq_source(dv_base, N_K, stride_dvn, D, BLOCK_N, BLOCK_D, TMA)
     _write_seq_tile(dk_dst, dk * sm_scale, start_n, 0, offs_n, offs_d, stride_dkn, stride_dkd,
                     N_K, D, PAD_D, False, TMA)
     _write_seq_tile(dv_dst, dv, start_n, 0, offs_n, offs_d, stride_dvn, stride_dvd, N_K, D,
@@ -616,6 +828,8 @@ def _bwd_dq_inner(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,                         # blocks on the causal diagonal or the Nk tail
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    diag, left, right, softcap2, alibi2,          # the options (the forward kernel)
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """The key blocks ``[lo, hi)`` added into a query block's dq. Without ``MASKED`` every
     key of every block is below ``N_K`` and visible to every query of the block."""
@@ -625,12 +839,14 @@ def _bwd_dq_inner(
                             MASKED, PAD_D, True, UPCAST, TMA)
         vT = _read_seq_tile(v_src, start_n, 0, offs_n, offs_d, stride_vn, stride_vd, N_K, D,
                             MASKED, PAD_D, True, UPCAST, TMA)
-        p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse2[:, None]))
+        p, dcap = _bwd_probs(tl.dot(q, kT), lse2, qk_scale, offs_m, offs_n, diag, softcap2,
+                             alibi2, SOFTCAP, ALIBI, False)
         if MASKED:
             # A select, not a multiply: exp2 of a hidden key's score may overflow to inf.
-            p = tl.where(_visible(offs_m, offs_n, N_K, CAUSAL, False), p, 0.0)
+            p = tl.where(_visible(offs_m, offs_n, N_K, diag, left, right, CAUSAL, WINDOW,
+                                  False), p, 0.0)
         dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None]) * dcap
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
     return dq
 
@@ -645,8 +861,14 @@ def _flash_attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, GROUP, N_Q, N_K, D,                                    # sizes
     sm_scale, qk_scale,
+    CuQ, CuK, Alibi, Sinks,                                   # options (_mod_args)
+    stride_ab, stride_ah, lse_stride_h, left, right, softcap2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False, SINKS: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, ALIGN_BR: tl.constexpr = False,
+    MAY_EMPTY: tl.constexpr = False,
 ):
     # --- program id to tile: BLOCK_M queries of one (batch, head) ---
     start_m = tl.program_id(0) * BLOCK_M
@@ -654,42 +876,71 @@ def _flash_attn_bwd_dq_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    q_start, n_q = _seq_bounds(CuQ, b, VARLEN)
+    k_start, n_k = _seq_bounds(CuK, b, VARLEN)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    if VARLEN:
+        N_Q = n_q
+        N_K = n_k
+        if start_m >= N_Q:
+            return
+        q_base += q_start.to(tl.int64) * stride_qm
+        do_base += q_start.to(tl.int64) * stride_dom
+        dq_base += q_start.to(tl.int64) * stride_dqm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+    if ALIGN_BR:
+        diag = N_K - N_Q
+    else:
+        diag = 0
+    if ALIBI:
+        alibi2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+    else:
+        alibi2 = 0.0
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = _head_source(K, b, hk, stride_kb, stride_kh, N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
-    v_src = _head_source(V, b, hk, stride_vb, stride_vh, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
-    q_src = _head_source(Q, b, h, stride_qb, stride_qh, N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
-    do_src = _head_source(DO, b, h, stride_dob, stride_doh,
-                          N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
+    k_src = _seq_source(k_base, N_K, stride_kn, D, BLOCK_N, BLOCK_D, TMA)
+    v_src = _seq_source(v_base, N_K, stride_vn, D, BLOCK_N, BLOCK_D, TMA)
+    q_src = _seq_source(q_base, N_Q, stride_qm, D, BLOCK_M, BLOCK_D, TMA)
+    do_src = _seq_source(do_base, N_Q, stride_dom, D, BLOCK_M, BLOCK_D, TMA)
     q = _read_seq_tile(q_src, start_m, 0, offs_m, offs_d, stride_qm, stride_qd, N_Q, D,
                        True, PAD_D, False, UPCAST, TMA)
     do = _read_seq_tile(do_src, start_m, 0, offs_m, offs_d, stride_dom, stride_dod, N_Q, D,
                         True, PAD_D, False, UPCAST, TMA)
-    lse = tl.load(Lse + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=float("inf"))
-    delta = tl.load(Delta + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    row = _lse_row(bh, h, N_Q, q_start, lse_stride_h, VARLEN)
+    lse = tl.load(Lse + row + offs_m, mask=offs_m < N_Q, other=float("inf"))
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < N_Q, other=0.0)
     lse2 = lse * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # --- key blocks in two stages, as the forward: those every query of the tile sees in
-    # full (no mask), then the causal diagonal and the Nk tail (masked) ---
-    if CAUSAL:
-        full_end = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M, N_K)
-    else:
-        full_end = N_K // BLOCK_N * BLOCK_N
-        hi = N_K
+    # --- key blocks in three stages, as the forward: across a window's left edge (masked),
+    # those every query of the tile sees in full (no mask), then the causal diagonal or the
+    # window's right edge and the Nk tail (masked) ---
+    lo, full_lo, full_hi, hi = _key_bounds(start_m, N_K, diag, left, right, BLOCK_M, BLOCK_N,
+                                           CAUSAL, WINDOW)
+    if WINDOW:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src,
+                           stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d,
+                           lo, full_lo, N_K, D, qk_scale,
+                           BLOCK_N, True, CAUSAL, PAD_D, UPCAST, TMA,
+                           diag, left, right, softcap2, alibi2, WINDOW, SOFTCAP, ALIBI)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src,
                        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d,
-                       0, full_end, N_K, D, qk_scale,
-                       BLOCK_N, False, CAUSAL, PAD_D, UPCAST, TMA)
+                       full_lo, full_hi, N_K, D, qk_scale,
+                       BLOCK_N, False, CAUSAL, PAD_D, UPCAST, TMA,
+                       diag, left, right, softcap2, alibi2, WINDOW, SOFTCAP, ALIBI)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src,
                        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d,
-                       full_end, hi, N_K, D, qk_scale,
-                       BLOCK_N, True, CAUSAL, PAD_D, UPCAST, TMA)
+                       full_hi, hi, N_K, D, qk_scale,
+                       BLOCK_N, True, CAUSAL, PAD_D, UPCAST, TMA,
+                       diag, left, right, softcap2, alibi2, WINDOW, SOFTCAP, ALIBI)
 
     # --- write-back ---
-    dq_dst = _head_source(DQ, b, h, stride_dqb, stride_dqh,
-                          N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, TMA)
+    dq_dst = _seq_source(dq_base, N_Q, stride_dqm, D, BLOCK_M, BLOCK_D, TMA)
     _write_seq_tile(dq_dst, dq * sm_scale, start_m, 0, offs_m, offs_d, stride_dqm, stride_dqd,
                     N_Q, D, PAD_D, False, TMA)
 
@@ -704,6 +955,67 @@ class Problem(NamedTuple):
     gqa: bool
     descriptor_issue: str  # why tensor descriptors cannot describe q, k, v ("" when they can)
     gluon_issue: str  # why flash_attn_gluon's forward cannot take q, k, v as laid out, or ""
+    options: str = ""  # the options set beyond causal (window, softcap, ...), "" for none
+
+
+class Mods(NamedTuple):
+    """What a call asks of the kernels beyond ``causal`` and the scale: FlashAttention's
+    options (``_attn_mods.Options``), the diagonal's alignment, and for a packed batch
+    (``flash_attn_varlen``) its ``cu_seqlens``, number of sequences, longest lengths and
+    ``total_q`` (the LSE's row stride: it is (H, total_q) there)."""
+    options: _attn_mods.Options
+    align_br: bool = False
+    cu_q: Any = None
+    cu_k: Any = None
+    batch: int = 0
+    max_q: int = 0
+    max_k: int = 0
+    total_q: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but SDPA's attention: what the Gluon kernels take."""
+        return self.options is _attn_mods.plain(self.options.causal) and not (
+            self.align_br or self.varlen)
+
+
+def _mods(causal: bool) -> Mods:
+    return _PLAIN_MODS[causal]
+
+
+_PLAIN_MODS = {c: Mods(_attn_mods.plain(c)) for c in (False, True)}
+#: ``align`` values of :func:`launch` and what they mean for the diagonal.
+ALIGNMENTS = {"top_left": False, "bottom_right": True}
+
+
+def _mod_args(mods: Mods, placeholder: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernels' option arguments (after the scale) and their constexpr switches.
+    ``placeholder`` stands in for pointers the switches leave unread."""
+    o = mods.options
+    alibi = o.alibi
+    args = (placeholder if mods.cu_q is None else mods.cu_q,
+            placeholder if mods.cu_k is None else mods.cu_k,
+            placeholder if alibi is None else alibi,
+            placeholder if o.sinks is None else o.sinks,
+            *((0, 0) if alibi is None else alibi.stride()),
+            mods.total_q, o.left, o.right, o.softcap2 or 1.0)
+    flags = {"WINDOW": o.window, "SOFTCAP": o.softcap2 > 0, "ALIBI": alibi is not None,
+             "SINKS": o.sinks is not None, "VARLEN": mods.varlen, "ALIGN_BR": mods.align_br,
+             # Rows that see no key: bottom-right causal with Nq > Nk, a window, or a packed
+             # sequence without keys (a sink is always seen).
+             "MAY_EMPTY": o.sinks is None and ((mods.align_br and o.causal) or o.window
+                                               or mods.varlen)}
+    return args, flags
+
+
+def _strides(t: torch.Tensor, mods: Mods) -> tuple:
+    """A 4-D operand's strides; a packed batch's (1, H, total, D) view has no batch stride
+    (the kernels find each sequence through ``cu_seqlens``)."""
+    return (0, *t.stride()[1:]) if mods.varlen else t.stride()
 
 
 def _descriptor_issue(d: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -730,7 +1042,20 @@ def _descriptor_issue(d: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return ""
 
 
-def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Problem:
+def options_key(options: _attn_mods.Options, align_br: bool) -> str:
+    """The options a call sets, as a short word list for selection keys and predicates."""
+    if options is _attn_mods.plain(options.causal) and not align_br:
+        return ""
+    words = [w for w, on in (("bottom-right", align_br), ("window", options.window),
+                             ("softcap", options.softcap2 > 0),
+                             ("alibi", options.alibi is not None),
+                             ("sinks", options.sinks is not None)) if on]
+    return ",".join(words) or "options"
+
+
+def problem(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
+            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+            align: str = "top_left", return_lse: bool = False) -> Problem:
     """Check a ``flash_attn`` call and return its selection key.
 
     All input validation happens here, before selection and launch: ``ValueError``
@@ -765,9 +1090,23 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None) -> Pro
                                  or not isinstance(sm_scale, (int, float))):
         raise _host.ArgumentError(
             f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    options = _attn_mods.check_options(
+        NAME, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, batch=bq, heads=h, device=device)
+    _host.check_bool(NAME, "return_lse", return_lse)
     return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v),
                    # Only CUDA tensors can take the Gluon forward: skip its checks elsewhere.
-                   flash_attn_gluon.issue(q, k, v) if device.type == "cuda" else "")
+                   flash_attn_gluon.issue(q, k, v) if device.type == "cuda" else "",
+                   options_key(options, _align(align)))
+
+
+def _align(align: Any) -> bool:
+    """``align`` as the kernels' ``ALIGN_BR`` (an error naming it otherwise)."""
+    try:
+        return ALIGNMENTS[align]
+    except (KeyError, TypeError):
+        raise _host.ArgumentError(f"{NAME}: align must be one of {sorted(ALIGNMENTS)}, got "
+                                  f"{align!r}") from None
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
@@ -790,6 +1129,9 @@ def gluon_accepts(problem: Problem, device) -> str | None:
     reason = _gluon.runs_here(problem.device.type)
     if reason:
         return reason
+    if problem.options:
+        return (f"the Gluon kernels compute plain attention; this call sets {problem.options} "
+                "(the Triton kernels take every option)")
     if problem.gluon_issue:
         return problem.gluon_issue
     return tma_accepts(problem, device)
@@ -919,25 +1261,53 @@ def _forward_setup(plan, block_d: int, itemsize: int) -> tuple[int, int, dict]:
     return plan.cached((NAME, "forward", block_d, itemsize), build)
 
 
-def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq))."""
+def _outputs(q: torch.Tensor, mods: Mods) -> tuple[torch.Tensor, torch.Tensor]:
+    """New ``(out, lse)`` for ``q``: (B, H, Nq, D) and (B, H, Nq); for a packed batch
+    ``out`` is a (total, H, D) tensor seen as q's (1, H, total, D) view, ``lse`` (H, total)."""
+    b, h, n_q, d = q.shape
+    if mods.varlen:
+        out = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
+        return out, torch.empty((h, n_q), dtype=torch.float32, device=q.device)
+    return (torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device),
+            torch.empty((b, h, n_q), dtype=torch.float32, device=q.device))
+
+
+def _no_keys_lse(lse: torch.Tensor, mods: Mods) -> torch.Tensor:
+    """The LSE of rows that see no key: -inf, or the sink's logit."""
+    sinks = mods.options.sinks
+    if sinks is None:
+        return lse.fill_(float("-inf"))
+    return lse.copy_(sinks.float()[:, None].expand_as(lse) if mods.varlen
+                     else sinks.float()[None, :, None].expand_as(lse))
+
+
+def _forward(plan, q, k, v, causal: bool, scale: float,
+             mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq)). With ``mods`` of a packed
+    batch, q, k and v are (1, H, total, D) views and so is ``out``; lse is (H, total_q)."""
+    mods = _mods(causal) if mods is None else mods
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    if plan.switches.get("GLUON_FORWARD") and n_k and q.numel():
+    if plan.switches.get("GLUON_FORWARD") and n_k and q.numel() and mods.plain:
         # It allocates its own outputs (one torch.empty is 3-6 µs of an eager call's host
         # time on the H200's host).
         plan.cached((NAME, "gluon forward tile"), flash_attn_gluon.tile)
         return flash_attn_gluon.forward(q, k, v, causal, scale, plan)
-    out = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+    out, lse = _outputs(q, mods)
     if out.numel() == 0:
         return out, lse
     if n_k == 0:  # no keys: SDPA's math backend returns zeros
-        return out.zero_(), lse.fill_(float("-inf"))
+        return out.zero_(), _no_keys_lse(lse, mods)
+    if mods.varlen:
+        b, n_q, n_k = mods.batch, mods.max_q, mods.max_k
     block_d = _block_d(d)
     switches = _switches(plan, block_d)
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            h, h // h_kv, n_q, n_k, d, scale * _LOG2E)
+    mod_args, flags = _mod_args(mods, lse)
+    args = (q, k, v, out, lse, *_strides(q, mods), *_strides(k, mods), *_strides(v, mods),
+            *_strides(out, mods), h, h // h_kv, n_q, n_k, d, scale * _LOG2E, *mod_args)
+    # A positive scale commutes with the max (see the kernel); a softcap or ALiBi bias
+    # does not.
+    raw_max = scale > 0 and not (flags["SOFTCAP"] or flags["ALIBI"])
     if switches["TMA"]:
         # Descriptor path: autotuned among the plan's tiles, each config setting the
         # _CONFIG_SWITCHES (see _autotuned_forward); device-side descriptors need scratch
@@ -951,14 +1321,14 @@ def _forward(plan, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
                 _autotuned_forward(plan), (bucket, block_d, causal, q.dtype),
                 lambda meta: (_host.cdiv(n_q, meta["BLOCK_M"]), b * h),
                 *args, bucket, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-                RAW_MAX=scale > 0, **tma_switches,
+                RAW_MAX=raw_max, **tma_switches, **flags,
             )
         return out, lse
     block_m, block_n, opts = _forward_setup(plan, block_d, q.element_size())
     plan.direct(_flash_attn_fwd_kernel)[(_host.cdiv(n_q, block_m), b * h)](
         *args, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        RAW_MAX=scale > 0, **switches, **opts,
+        RAW_MAX=raw_max, **switches, **flags, **opts,
     )
     return out, lse
 
@@ -981,14 +1351,23 @@ def _backward_setup(plan, block_d: int, itemsize: int) -> _BackwardSetup:
     return plan.cached((NAME, "backward", block_d, itemsize), build)
 
 
-def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) in the inputs' dtype; dk and dv summed over each GQA group."""
+def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float, mods: Mods | None = None,
+              return_delta: bool = False):
+    """(dq, dk, dv) in the inputs' dtype; dk and dv summed over each GQA group. Layouts as
+    :func:`_forward`'s. With ``return_delta``, also ``delta`` = rowsum(dO · O) in the LSE's
+    layout (the sinks' gradient needs it)."""
+    mods = _mods(causal) if mods is None else mods
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    dk = torch.empty((b, h_kv, n_k, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, h_kv, n_k, d), dtype=v.dtype, device=v.device)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if mods.varlen:  # (total, H_kv, D) tensors seen as (1, H_kv, total, D), as k and v
+        dk = torch.empty((n_k, h_kv, d), dtype=k.dtype, device=k.device).transpose(0, 1)[None]
+        dv = torch.empty((n_k, h_kv, d), dtype=v.dtype, device=v.device).transpose(0, 1)[None]
     if q.numel() == 0 or dk.numel() == 0:  # no queries or no keys: nothing flows back
-        return q.new_zeros((b, h, n_q, d)), dk.zero_(), dv.zero_()
+        delta = torch.zeros_like(lse)
+        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        return (dq, dk.zero_(), dv.zero_(), delta) if return_delta else (dq, dk.zero_(), dv.zero_())
     block_d = _block_d(d)
     setup = _backward_setup(plan, block_d, q.element_size())
     dkdv_m, dkdv_n, dq_m, dq_n = setup.blocks
@@ -997,129 +1376,199 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float):
     # Each program builds its tensor descriptors once; over a short sequence its loop is
     # too short to repay that, and a descriptor variant's config may say from which length
     # on the backward takes descriptors.
-    tma = plan.switches["TMA"] and max(n_q, n_k) >= setup.tma_min_seq
-    gluon = plan.switches["GLUON_DKDV"] and flash_attn_gluon.backward_takes(n_k, d)
+    longest = max(mods.max_q, mods.max_k) if mods.varlen else max(n_q, n_k)
+    tma = plan.switches["TMA"] and longest >= setup.tma_min_seq
+    gluon = (plan.switches["GLUON_DKDV"] and mods.plain
+             and flash_attn_gluon.backward_takes(n_k, d))
     if (tma or gluon) and _descriptor_issue(d, do, do, do):
         # The forward's inputs passed tma_accepts; the incoming gradient may be any view
         # (an expanded scalar's gradient has zero strides, a slice of a larger buffer can
         # start off a 16-byte boundary): one copy into a new buffer makes it describable
         # (``contiguous()`` would return a contiguous but misaligned view as it is).
         do = do.clone(memory_format=torch.contiguous_format)
+        if mods.varlen:
+            do = do[0].transpose(0, 1).contiguous().transpose(0, 1)[None]
     delta = torch.empty_like(lse)
-    _launch_preprocess(out, do, delta, dq_m, dq_opts, plan)
+    _launch_preprocess(out, do, delta, dq_m, dq_opts, plan, mods)
     if gluon and plan.switches["GLUON_DQ"]:
         # dq's shares from every key tile meet in fp32, rounded once at the end.
         dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
         flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale,
                                   dq_acc=dq_acc, plan=plan)
         return dq_acc.to(q.dtype), dk, dv
-    dq = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
+    if mods.varlen:
+        dq = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
+    else:
+        dq = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
         if gluon:
             flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale, plan=plan)
         else:
             _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                         upcast, tma, dkdv_opts, plan)
-        _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts, plan)
-    return dq, dk, dv
+                         upcast, tma, dkdv_opts, plan, mods)
+        _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts,
+                   plan, mods)
+    return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)
 
 
-def _launch_preprocess(out, do, delta, block_m: int, opts: dict, plan) -> None:
-    """``delta`` (B, H, Nq) fp32 = rowsum(out · do), ``block_m`` query rows per program
-    (``bench/host_backward.py`` times this launch alone)."""
+def sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+               varlen: bool = False) -> torch.Tensor:
+    """The gradient of the per-head sink logits: a sink takes ``p = exp(sink - lse)`` of each
+    row's mass and adds no value, so ``dsink = -sum over rows of p · delta`` with
+    ``delta = rowsum(dO · O)``. ``lse``/``delta``: (B, H, Nq), or (H, total_q) packed."""
+    sink = sinks.float()[:, None] if varlen else sinks.float()[None, :, None]
+    dims = (1,) if varlen else (0, 2)
+    return (-(torch.exp(sink - lse) * delta).sum(dims)).to(sinks.dtype)
+
+
+def _launch_preprocess(out, do, delta, block_m: int, opts: dict, plan,
+                       mods: Mods | None = None) -> None:
+    """``delta`` (the LSE's layout) fp32 = rowsum(out · do), ``block_m`` query rows per
+    program (``bench/host_backward.py`` times this launch alone)."""
     b, h, n_q, d = out.shape
+    cu_q, total_q = delta, 0
+    if mods is not None and mods.varlen:
+        b, n_q, cu_q, total_q = mods.batch, mods.max_q, mods.cu_q, mods.total_q
+    plain = mods is None or not mods.varlen
     block_d = _block_d(d)
     plan.direct(_flash_attn_bwd_preprocess_kernel)[(_host.cdiv(n_q, block_m), b * h)](
-        out, do, delta, *out.stride(), *do.stride(), h, n_q, d,
-        BLOCK_M=block_m, BLOCK_D=block_d, PAD_D=d != block_d, **opts,
+        out, do, delta, *(out.stride() if plain else _strides(out, mods)),
+        *(do.stride() if plain else _strides(do, mods)), h, n_q, d, cu_q, total_q,
+        BLOCK_M=block_m, BLOCK_D=block_d, PAD_D=d != block_d, VARLEN=not plain, **opts,
     )
 
 
+def _bwd_args(mods: Mods | None, causal: bool, lse: torch.Tensor, q, k) -> tuple:
+    """``(mods, mod_args, flags, batch, n_q, n_k)`` of a backward launch."""
+    mods = _mods(causal) if mods is None else mods
+    mod_args, flags = _mod_args(mods, lse)
+    if mods.varlen:
+        return mods, mod_args, flags, mods.batch, mods.max_q, mods.max_k
+    return mods, mod_args, flags, q.shape[0], q.shape[2], k.shape[2]
+
+
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
-                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict, plan=None) -> None:
+                 block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict, plan=None,
+                 mods: Mods | None = None) -> None:
     """The dk/dv kernel on ``block_n`` keys per program, streaming ``block_m`` queries
     (``bench/flash_attn_sweep.py`` times it alone through this, without a ``plan``: then
     through Triton's JIT launch)."""
-    b, h, n_q, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
+    h, d, h_kv = q.shape[1], q.shape[3], k.shape[1]
+    mods, mod_args, flags, b, n_q, n_k = _bwd_args(mods, causal, lse, q, k)
     block_d = _block_d(d)
     _host.launcher(plan, _flash_attn_bwd_dkdv_kernel)[(_host.cdiv(n_k, block_n), b * h_kv)](
         q, k, v, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
+        *_strides(q, mods), *_strides(k, mods), *_strides(v, mods), *_strides(do, mods),
+        *_strides(dk, mods), *_strides(dv, mods),
+        h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E, *mod_args,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        UPCAST=upcast, TMA=tma, **opts,
+        UPCAST=upcast, TMA=tma, **flags, **opts,
     )
 
 
 def _launch_dq(q, k, v, do, lse, delta, dq, causal: bool, scale: float,
-               block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict, plan=None) -> None:
+               block_m: int, block_n: int, upcast: bool, tma: bool, opts: dict, plan=None,
+               mods: Mods | None = None) -> None:
     """The dq kernel on ``block_m`` queries per program, streaming ``block_n`` keys."""
-    b, h, n_q, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
+    h, d, h_kv = q.shape[1], q.shape[3], k.shape[1]
+    mods, mod_args, flags, b, n_q, n_k = _bwd_args(mods, causal, lse, q, k)
     block_d = _block_d(d)
     _host.launcher(plan, _flash_attn_bwd_dq_kernel)[(_host.cdiv(n_q, block_m), b * h)](
         q, k, v, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E,
+        *_strides(q, mods), *_strides(k, mods), *_strides(v, mods), *_strides(do, mods),
+        *_strides(dq, mods),
+        h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E, *mod_args,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal, PAD_D=d != block_d,
-        UPCAST=upcast, TMA=tma, **opts,
+        UPCAST=upcast, TMA=tma, **flags, **opts,
     )
 
 
 def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+           causal: bool = False, sm_scale: float | None = None, *,
+           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+           alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+           align: str = "top_left", return_lse: bool = False):
     """Attention of ``q`` (B, H, Nq, D) over ``k``, ``v`` (B, H_kv, Nk, D), fp16/bf16/fp32.
 
-    Returns a new contiguous (B, H, Nq, D) tensor of q's dtype, differentiable with respect
-    to q, k and v. The inputs were checked by :func:`problem` (selection runs it first).
+    ``causal`` is SDPA's ``is_causal``; ``align="bottom_right"`` aligns its diagonal (and
+    ALiBi's, and the window's) to the end of the keys instead, as FlashAttention does: query
+    ``i`` sees keys up to ``i + Nk - Nq`` (decode, chunked prefill). ``window_size=(left,
+    right)`` (-1: unbounded), ``softcap`` (0: off), ``alibi_slopes`` fp32 (H,) or (B, H) and
+    ``sinks`` (H,) follow FlashAttention (``_attn_mods``). Returns a new contiguous
+    (B, H, Nq, D) tensor of q's dtype, differentiable with respect to q, k, v and sinks;
+    with ``return_lse`` also the fp32 (B, H, Nq) natural log-sum-exp of the scores (-inf for
+    a row that sees no key). The inputs were checked by :func:`problem` (selection runs it
+    first).
     """
     causal = bool(causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttnFunction.apply(plan, q, k, v, causal, scale)
-    return _forward(plan, q, k, v, causal, scale)[0]
+    options = _attn_mods.check_options(
+        NAME, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, batch=q.shape[0], heads=q.shape[1],
+        device=q.device)
+    align_br = _align(align)
+    mods = Mods(options, align_br) if align_br or options is not _attn_mods.plain(causal) \
+        else _mods(causal)
+    return run(plan, q, k, v, causal, scale, mods, return_lse)
+
+
+def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool = False):
+    """The forward (through autograd when a gradient is needed) of checked operands:
+    ``out``, or ``(out, lse)`` with ``return_lse``. Layouts as :func:`_forward`'s."""
+    sinks = mods.options.sinks
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        out, lse = _FlashAttnFunction.apply(plan, q, k, v, sinks, causal, scale, mods)
+    else:
+        out, lse = _forward(plan, q, k, v, causal, scale, mods)
+    return (out, lse) if return_lse else out
 
 
 # --- autograd -------------------------------------------------------------------------------
 
 class _FlashAttnFunction(torch.autograd.Function):
-    """Forward saves (q, k, v, out, lse); backward runs the three backward kernels."""
+    """Forward saves (q, k, v, out, lse); backward runs the three backward kernels (and
+    adds up the sinks' gradient from the LSE and delta). The LSE is an output too, not
+    differentiable."""
 
     @staticmethod
-    def forward(ctx, plan, q, k, v, causal, scale):
-        out, lse = _forward(plan, q, k, v, causal, scale)
+    def forward(ctx, plan, q, k, v, sinks, causal, scale, mods):
+        out, lse = _forward(plan, q, k, v, causal, scale, mods)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.causal, ctx.scale = plan, causal, scale
-        return out
+        ctx.plan, ctx.causal, ctx.scale, ctx.mods = plan, causal, scale, mods
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        mods = ctx.mods
+        sinks = mods.options.sinks
         with _host.launching(dout.device):
-            dq, dk, dv = _backward(ctx.plan, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return None, dq, dk, dv, None, None
+            dq, dk, dv, delta = _backward(ctx.plan, dout, q, k, v, out, lse, ctx.causal,
+                                          ctx.scale, mods, return_delta=True)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            dsinks = sinks_grad(sinks, lse, delta, mods.varlen)
+        return None, dq, dk, dv, dsinks, None, None, None
 
 
 # --- reference ------------------------------------------------------------------------------
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
-    """``softmax(q·kᵀ·sm_scale [causal]) · v`` in float64, written out: GQA by repeating
-    each K/V head over its query heads, causal top-left aligned (SDPA's ``is_causal``).
-    Not SDPA itself: its math backend scales q and k by ``sqrt(sm_scale)`` each, which is
-    NaN for the negative scales this kernel takes."""
-    q, k, v = q.double(), k.double(), v.double()
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = q @ k.transpose(-1, -2) * scale
-    if causal:
-        hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(hidden, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+              causal: bool = False, sm_scale: float | None = None, *,
+              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+              align: str = "top_left", return_lse: bool = False):
+    """``flash_attn`` in float64, written out (``_attn_mods.reference``): GQA by repeating
+    each K/V head over its query heads, causal top-left aligned (SDPA's ``is_causal``)
+    unless ``align="bottom_right"``. Not SDPA itself: its math backend scales q and k by
+    ``sqrt(sm_scale)`` each, which is NaN for the negative scales this kernel takes."""
+    diag = k.shape[2] - q.shape[2] if align == "bottom_right" else 0
+    out, lse = _attn_mods.reference(q, k, v, causal=causal, diag=diag, window_size=window_size,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                    sm_scale=sm_scale)
+    return (out, lse) if return_lse else out
 
 
 # --- registration ---------------------------------------------------------------------------
@@ -1147,8 +1596,10 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(q, k, v, causal=False, sm_scale=None) -> out", problem,
-        "attention, (B, H, N, D) layout, GQA, causal, any N and D up to 256, differentiable",
+        NAME, "(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, "
+        "alibi_slopes=None, sinks=None, align='top_left', return_lse=False) -> out", problem,
+        "attention, (B, H, N, D) layout, GQA, causal (top-left or bottom-right), sliding "
+        "window, softcap, ALiBi, sinks, any N and D up to 256, differentiable",
         reference))
     registry.add_variant(variant(
         "generic",
