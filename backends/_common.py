@@ -38,8 +38,16 @@ def triton_version() -> str:
     return triton.__version__
 
 
+#: Families that run another family's kernels on the same tiles: their tuning is that
+#: family's unless a table names them.
+SHARED_TUNING = {"flash_attn_varlen": "flash_attn"}
+
+
 def lookup(table: dict, kernel: str, variant: str):
-    """A tuning table entry: ``(kernel, variant)`` first, then ``(kernel, None)``."""
+    """A tuning table entry: ``(kernel, variant)`` first, then ``(kernel, None)``; for a
+    family of :data:`SHARED_TUNING` without entries of its own, its host family's."""
+    if kernel in SHARED_TUNING and (kernel, variant) not in table and (kernel, None) not in table:
+        kernel = SHARED_TUNING[kernel]
     found = table.get((kernel, variant))
     return found if found is not None else table.get((kernel, None))
 

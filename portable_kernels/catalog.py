@@ -22,6 +22,7 @@ FAMILIES = (
     "swiglu",
     "geglu",
     "flash_attn",
+    "flash_attn_varlen",
     "matmul",
     "grouped_matmul",
 )

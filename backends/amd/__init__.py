@@ -104,9 +104,10 @@ def pk_register_variants(registry):
     # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
     # The variant is flash_attn.py's generic kernel; what it brings is AMD tuning
     # (tuning.py), which reaches launches only on AMD devices.
-    from portable_kernels.kernels import flash_attn
+    from portable_kernels.kernels import flash_attn, flash_attn_varlen
 
-    registry.add_variant(flash_attn.variant(
-        "amd.rocm", priority=_flash_attn_priority,
-        description="generic kernel with CDNA tuning: 128x64 tiles, num_stages 1-2, "
-        "waves_per_eu, matrix_instr_nonkdim, warps clamped to 1024 threads of 64 lanes"))
+    for family in (flash_attn, flash_attn_varlen):  # the packed batch runs the same kernels
+        registry.add_variant(family.variant(
+            "amd.rocm", priority=_flash_attn_priority,
+            description="generic kernel with CDNA tuning: 128x64 tiles, num_stages 1-2, "
+            "waves_per_eu, matrix_instr_nonkdim, warps clamped to 1024 threads of 64 lanes"))

@@ -85,18 +85,19 @@ def pk_register_variants(registry):
     # V2); V2 ranks first because the seed measured it fastest on CoreX: changing the
     # reduction direction removes the conversion of the MMA result between operand
     # layouts (fewer instructions), and it keeps V1's deferred row sums.
-    from portable_kernels.kernels import flash_attn
+    from portable_kernels.kernels import flash_attn, flash_attn_varlen
 
-    registry.add_variant(flash_attn.variant(
-        "iluvatar.v2", switches={"TRANSPOSED": True, "DEFERRED": True},
-        priority=_flash_attn_priority(100), configs=tuning.flash_attn_configs,
-        description="seed V2, transposed view: S^T = K.Q^T, reductions along axis 0, "
-        "acc^T += V^T.P^T so P never changes operand layout; deferred row sums. First on "
-        "Iluvatar (100 > iluvatar.v1's 90): the seed measured V2 fastest, as it drops "
-        "V1's MMA-result layout conversion"))
-    registry.add_variant(flash_attn.variant(
-        "iluvatar.v1", switches={"DEFERRED": True, "HEAD_SPLIT": 2},
-        priority=_flash_attn_priority(90), configs=tuning.flash_attn_configs,
-        description="seed V1: head_dim split in two halves (narrower MMA strips) and "
-        "deferred reduction (elementwise row-sum partials, reduced once after the K/V "
-        "loop). Second on Iluvatar (90): iluvatar.v2 adds the transposed view on top"))
+    for family in (flash_attn, flash_attn_varlen):  # the packed batch runs the same kernels
+        registry.add_variant(family.variant(
+            "iluvatar.v2", switches={"TRANSPOSED": True, "DEFERRED": True},
+            priority=_flash_attn_priority(100), configs=tuning.flash_attn_configs,
+            description="seed V2, transposed view: S^T = K.Q^T, reductions along axis 0, "
+            "acc^T += V^T.P^T so P never changes operand layout; deferred row sums. First on "
+            "Iluvatar (100 > iluvatar.v1's 90): the seed measured V2 fastest, as it drops "
+            "V1's MMA-result layout conversion"))
+        registry.add_variant(family.variant(
+            "iluvatar.v1", switches={"DEFERRED": True, "HEAD_SPLIT": 2},
+            priority=_flash_attn_priority(90), configs=tuning.flash_attn_configs,
+            description="seed V1: head_dim split in two halves (narrower MMA strips) and "
+            "deferred reduction (elementwise row-sum partials, reduced once after the K/V "
+            "loop). Second on Iluvatar (90): iluvatar.v2 adds the transposed view on top"))

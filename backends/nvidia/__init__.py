@@ -139,7 +139,7 @@ def pk_register_variants(registry):
     # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
     # Each variant is a switch setting of its family's one kernel; the bodies stay in
     # portable_kernels/kernels/.
-    from portable_kernels.kernels import flash_attn, grouped_matmul, matmul
+    from portable_kernels.kernels import flash_attn, flash_attn_varlen, grouped_matmul, matmul
 
     registry.add_variant(Variant(
         "matmul", "nvidia.persistent_tma", matmul.launch,
@@ -170,8 +170,7 @@ def pk_register_variants(registry):
         configs=tuning.grouped_matmul_tma,
         description="persistent grid over every group's tiles; device-side tensor "
         "descriptors per group (tl.make_tensor_descriptor, scratch from an allocator)"))
-    registry.add_variant(flash_attn.variant(
-        "nvidia.hopper", requires={"tensor_descriptor", "warp_specialize"},
+    hopper = dict(
         priority=_hopper_priority, accepts=flash_attn.tma_accepts,
         # WARP_SPECIALIZE off unless a config turns it on: with triton 3.6 on sm_90 the
         # warp-specialized loop passes small tests yet computed wrong outputs at N = 4096
@@ -184,7 +183,23 @@ def pk_register_variants(registry):
         "forward autotuned among descriptor and pointer-load (cp.async) tiles; backward "
         "kernels on descriptors, with tiles of their own; "
         "fp16/bf16, D 64 or 128, 16-byte aligned strides (else generic, with the reason "
-        "in explain)"))
+        "in explain)")
+    blackwell = dict(
+        priority=100, accepts=flash_attn.tma_accepts,
+        # Triton lowers tl.dot to tcgen05 on sm_100 and schedules warp-specialized loops
+        # there (its fused-attention tutorial does): the switch that triton 3.6 broke on
+        # sm_90 is on in this table's warp-specialized configs.
+        switches={"TMA": True, "WARP_SPECIALIZE": False}, configs=tuning.flash_attn_blackwell,
+        description="nvidia.hopper's descriptor kernels for datacenter Blackwell (sm_100, "
+        "tcgen05 MMAs): warp-specialized and pipelined forward tiles of its own table; "
+        "compiled for sm_100 by ci/compile_matrix.py, not yet run on one; fp16/bf16, D 64 "
+        "or 128, 16-byte aligned strides (else generic, with the reason in explain)")
+    for family in (flash_attn, flash_attn_varlen):  # the packed batch runs the same kernels
+        registry.add_variant(family.variant(
+            "nvidia.hopper", requires={"tensor_descriptor", "warp_specialize"}, **hopper))
+        registry.add_variant(family.variant(
+            "nvidia.blackwell", requires={"tensor_descriptor", "warp_specialize", "tcgen05"},
+            **blackwell))
     registry.add_variant(flash_attn.variant(
         "nvidia.hopper_gluon", requires={"tensor_descriptor", "warp_specialize", "wgmma"},
         priority=110, accepts=_on_sm90(flash_attn.gluon_accepts),
@@ -201,14 +216,3 @@ def pk_register_variants(registry):
         "fp16/bf16, D 64 or 128, aligned strides, Nk >= 2048 at D=64, >= 1024 at D=128 "
         "(else nvidia.hopper, with the reason in explain); below 2048 keys its backward is "
         "nvidia.hopper's Triton kernels"))
-    registry.add_variant(flash_attn.variant(
-        "nvidia.blackwell", requires={"tensor_descriptor", "warp_specialize", "tcgen05"},
-        priority=100, accepts=flash_attn.tma_accepts,
-        # Triton lowers tl.dot to tcgen05 on sm_100 and schedules warp-specialized loops
-        # there (its fused-attention tutorial does): the switch that triton 3.6 broke on
-        # sm_90 is on in this table's warp-specialized configs.
-        switches={"TMA": True, "WARP_SPECIALIZE": False}, configs=tuning.flash_attn_blackwell,
-        description="nvidia.hopper's descriptor kernels for datacenter Blackwell (sm_100, "
-        "tcgen05 MMAs): warp-specialized and pipelined forward tiles of its own table; "
-        "compiled for sm_100 by ci/compile_matrix.py, not yet run on one; fp16/bf16, D 64 "
-        "or 128, 16-byte aligned strides (else generic, with the reason in explain)"))
