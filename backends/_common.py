@@ -98,6 +98,12 @@ def _layer_norm(device) -> "list[triton.Config]":
     return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=_warps(device, 8))]
 
 
+def _rope(device) -> "list[triton.Config]":
+    # Per pair two loads, two stores and a cos/sin gather (cached: shared by the heads of a
+    # token): 16 pairs per thread at 4 warps.
+    return [triton.Config({"TILE": 2048}, num_warps=_warps(device, 4))]
+
+
 #: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
 MEMORY_BOUND = {
     ("vector_add", None): _vector_add,
@@ -109,4 +115,6 @@ MEMORY_BOUND = {
     # Gated activations: two loads and a store per element, as vector_add.
     ("swiglu", None): _vector_add,
     ("geglu", None): _vector_add,
+    ("rope", None): _rope,
+    ("add_rms_norm", None): _layer_norm,  # layer_norm's kernels with RMS and ADD on
 }
