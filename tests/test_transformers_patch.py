@@ -134,3 +134,20 @@ def test_calls_the_kernels_cannot_take_fall_back(device, caplog):
         assert torch.equal(out, type(norm).forward(norm, x))
     finally:
         pk_hf.undo(model)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_patched_model_traces_without_graph_breaks(gen, device):
+    """fullgraph: the patched norms, MLPs and rotary embeddings trace as our operators."""
+    torch._dynamo.reset()
+    model = _model("qwen3")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device)
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        pk_hf.apply(model)
+        try:
+            out = torch.compile(lambda i: model(i, use_cache=False).logits, fullgraph=True,
+                                backend="aot_eager")(ids)
+        finally:
+            pk_hf.undo(model)
+    assert_close(out, ref, TOL, "compiled logits")
