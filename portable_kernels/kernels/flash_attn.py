@@ -1502,14 +1502,21 @@ def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     causal = bool(causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    mods = dense_mods(q, causal, window_size, softcap, alibi_slopes, sinks, align)
+    return run(plan, q, k, v, causal, scale, mods, return_lse)
+
+
+def dense_mods(q, causal: bool, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+               sinks=None, align: str = "top_left") -> Mods:
+    """The :class:`Mods` of a (B, H, N, D) call (checked: errors name the argument)."""
     options = _attn_mods.check_options(
         NAME, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, batch=q.shape[0], heads=q.shape[1],
         device=q.device)
     align_br = _align(align)
-    mods = Mods(options, align_br) if align_br or options is not _attn_mods.plain(causal) \
-        else _mods(causal)
-    return run(plan, q, k, v, causal, scale, mods, return_lse)
+    if align_br or options is not _attn_mods.plain(bool(causal)):
+        return Mods(options, align_br)
+    return _mods(bool(causal))
 
 
 def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool = False):
