@@ -1603,10 +1603,9 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, "
-        "alibi_slopes=None, sinks=None, align='top_left', return_lse=False) -> out", problem,
-        "attention, (B, H, N, D) layout, GQA, causal (top-left or bottom-right), sliding "
-        "window, softcap, ALiBi, sinks, any N and D up to 256, differentiable",
+        NAME, "(q, k, v, causal=False, sm_scale=None, **options) -> out", problem,
+        "attention, (B, H, N, D), GQA, causal, window, softcap, ALiBi, sinks, D <= 256; "
+        "differentiable",
         reference))
     registry.add_variant(variant(
         "generic",
