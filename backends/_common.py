@@ -93,8 +93,9 @@ def _asin(device) -> "list[triton.Config]":
 
 
 def _layer_norm(device) -> "list[triton.Config]":
-    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. 64
-    # partial rows spread the dweight/dbias lock over the SMs.
+    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. Such rows
+    # take the backward's lock-free path (4 programs per SM, PROGRAMS_PER_SM's default);
+    # for longer ones, 64 partial rows spread the dweight/dbias lock over the SMs.
     return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=_warps(device, 8))]
 
 

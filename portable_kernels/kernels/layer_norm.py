@@ -13,6 +13,12 @@ weight``,
     dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd          (per row)
     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
 
+Rows that fit one chunk (up to ``MAX_BLOCK_N`` columns: every LLM hidden size the tables
+serve) take the dx kernel's ``ONE_CHUNK`` path, which reads x and dy once and writes dx
+once: a few programs per multiprocessor, each holding a whole row tile in registers,
+keeping its column sums of ``dy * xhat`` and ``dy`` in registers across its tiles and
+writing them once to a partial row of its own (no locks), which the dwdb kernel adds up.
+Longer rows stream their chunks twice (the row means first, then dx):
 ``_layer_norm_bwd_dx_kernel`` writes dx and folds its tile's column sums of ``dy * xhat``
 and ``dy`` into one of ``G`` partial rows, chosen by program id modulo G, under a spin lock
 per partial row (``tl.atomic_cas`` to take it, ``tl.atomic_xchg`` to release). G is far
@@ -28,8 +34,9 @@ the norm of ``x + residual``, which the forward also stores, and in the backward
 residual's gradient added to dx) and ``ONE_CHUNK`` (a row that fits one chunk is read once
 and kept in registers; add_rms_norm's forward takes it). Config: ``MAX_BLOCK_N`` (widest
 column chunk), ``TILE`` (elements per program tile, so ``BLOCK_M = TILE // BLOCK_N`` rows),
-``GROUPS`` (most partial rows for dweight/dbias) and ``num_warps`` (the most a program
-uses; small tiles use fewer).
+``GROUPS`` (most partial rows for dweight/dbias of rows longer than a chunk),
+``PROGRAMS_PER_SM`` (optional, default 4: the ``ONE_CHUNK`` backward's programs per
+multiprocessor) and ``num_warps`` (the most a program uses; small tiles use fewer).
 """
 from __future__ import annotations
 
@@ -182,6 +189,61 @@ def _bwd_chunk(x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, 
 
 
 @triton.jit
+def _bwd_dx_rows_in_registers(
+    dx_ptr, dy_ptr, x_ptr, w_ptr, dres_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    n_rows, n_cols, x_row_stride, x_col_stride, dy_row_stride, dy_col_stride,
+    dres_row_stride, dres_col_stride, dx_row_stride, w_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RMS: tl.constexpr, ADD: tl.constexpr,
+):
+    """The dx kernel for rows that fit one chunk (``n_cols <= BLOCK_N``), reading x and dy
+    once and writing dx once: a grid of a few programs per multiprocessor, each taking the
+    row tiles ``pid, pid + P, ...`` whole into registers (both row means come from the
+    tile in hand) and adding their column sums of ``dy * xhat`` and ``dy`` into fp32
+    accumulators it keeps across its tiles. It writes them once, to its own partial row
+    ``pid`` (no lock, no zero-initialised buffer); the dwdb kernel adds the P rows up."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+        # Row indices fit int32; their products with strides are taken in int64.
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        # Rows past the end read mean = rstd = 0 and dy = 0: they add nothing.
+        if RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        x = _load_tile(x_ptr, rows, cols, x_row_stride, x_col_stride, mask)
+        dy = _load_tile(dy_ptr, rows, cols, dy_row_stride, dy_col_stride, mask)
+        # Masked lanes: dy = 0, so g = 0 and dy * xhat = 0 whatever xhat is there.
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / n_cols
+        if RMS:  # the output does not depend on a mean: no mean(g) term
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / n_cols
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if ADD:  # x and residual reach the output through their sum, and reach it alone too
+            dx += _load_tile(dres_ptr, rows, cols, dres_row_stride, dres_col_stride, mask)
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+        if not RMS:
+            db_acc += tl.sum(dy, axis=0)
+    part = pid.to(tl.int64) * n_cols + cols
+    tl.store(dw_part_ptr + part, dw_acc, mask=col_mask)
+    if not RMS:
+        tl.store(db_part_ptr + part, db_acc, mask=col_mask)
+
+
+@triton.jit
 def _layer_norm_bwd_dx_kernel(
     dx_ptr, dy_ptr, x_ptr, w_ptr,     # dx (M, N) contiguous rows; dy, x (M, N) strided; w (N,)
     dres_ptr,                         # ADD: the new residual's gradient (M, N) strided
@@ -198,7 +260,15 @@ def _layer_norm_bwd_dx_kernel(
     BLOCK_N: tl.constexpr,
     RMS: tl.constexpr = False,        # rms_norm: xhat = x * rstd, no dbias
     ADD: tl.constexpr = False,        # add_rms_norm: x is the new residual; dx += its gradient
+    ONE_CHUNK: tl.constexpr = False,  # rows fit one chunk: the persistent, lock-free path
 ):
+    if ONE_CHUNK:
+        _bwd_dx_rows_in_registers(
+            dx_ptr, dy_ptr, x_ptr, w_ptr, dres_ptr, mean_ptr, rstd_ptr, dw_part_ptr,
+            db_part_ptr, n_rows, n_cols, x_row_stride, x_col_stride, dy_row_stride,
+            dy_col_stride, dres_row_stride, dres_col_stride, dx_row_stride, w_offset,
+            BLOCK_M, BLOCK_N, RMS, ADD)
+        return
     # --- program id to a tile of rows, and to its partial row for dweight/dbias ---
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -375,18 +445,31 @@ def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: flo
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), None if rms else torch.zeros_like(weight)
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
-    n_programs = _host.cdiv(n_rows, block_m)
-    n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
-    dw_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
-    db_part = dw_part if rms else torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
-    locks = torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
+    n_tiles = _host.cdiv(n_rows, block_m)
+    one_chunk = n_cols <= block_n
+    if one_chunk:
+        # One partial row per program, each program a few tiles: enough programs to keep
+        # every multiprocessor busy (PROGRAMS_PER_SM), few enough that the partial rows
+        # stay a small fraction of the traffic.
+        n_programs = min(n_tiles, plan.config.kwargs.get("PROGRAMS_PER_SM", 4)
+                         * max(1, plan.device.num_sms))
+        n_groups = n_programs
+        new = torch.empty
+    else:
+        n_programs = n_tiles
+        n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
+        new = torch.zeros  # chunk by chunk under the locks: the partial rows start at 0
+    dw_part = new((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    db_part = dw_part if rms else new((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    locks = dw_part if one_chunk else torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
     add = dres is not None
     dres = dres if add else dy  # unread without ADD
     plan.direct(_layer_norm_bwd_dx_kernel)[(n_programs,)](
         dx, dy, rows, weight, dres, mean, rstd, dw_part, db_part, locks,
         n_rows, n_cols, n_groups, rows.stride(0), rows.stride(1),
         dy.stride(0), dy.stride(1), dres.stride(0), dres.stride(1), dx.stride(0), float(offset),
-        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, ADD=add, num_warps=num_warps, **plan.switches,
+        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, ADD=add, ONE_CHUNK=one_chunk,
+        num_warps=num_warps, **plan.switches,
     )
     dw = torch.empty_like(weight)
     db = dw if rms else torch.empty_like(weight)
