@@ -32,7 +32,7 @@ time, so the lock is never contended and never waits on a later program.
 Constexpr switches: ``RMS`` (rms_norm.py: no mean, no bias), ``ADD`` (add_rms_norm.py:
 the norm of ``x + residual``, which the forward also stores, and in the backward the new
 residual's gradient added to dx) and ``ONE_CHUNK`` (a row that fits one chunk is read once
-and kept in registers; add_rms_norm's forward takes it). Config: ``MAX_BLOCK_N`` (widest
+and kept in registers, in the forward and in the backward; every norm takes it). Config: ``MAX_BLOCK_N`` (widest
 column chunk), ``TILE`` (elements per program tile, so ``BLOCK_M = TILE // BLOCK_N`` rows),
 ``GROUPS`` (most partial rows for dweight/dbias of rows longer than a chunk),
 ``PROGRAMS_PER_SM`` (optional, default 4: the ``ONE_CHUNK`` backward's programs per
@@ -428,9 +428,8 @@ def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None):
         n_rows, n_cols, rows.stride(0), rows.stride(1), res_rows.stride(0), res_rows.stride(1),
         y.stride(0), float(eps), float(offset),
         BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, ADD=add,
-        # Only add_rms_norm takes the one-read path so far; the other norms keep the
-        # streamed passes their measurements and compile tables are of.
-        ONE_CHUNK=add and n_cols <= block_n, num_warps=num_warps, **plan.switches,
+        # A row that fits one chunk is read once (the streamed passes read it three times).
+        ONE_CHUNK=n_cols <= block_n, num_warps=num_warps, **plan.switches,
     )
     return y.reshape(x.shape), out_rows, mean, rstd
 
