@@ -32,8 +32,9 @@ time, so the lock is never contended and never waits on a later program.
 Constexpr switches: ``RMS`` (rms_norm.py: no mean, no bias), ``ADD`` (add_rms_norm.py:
 the norm of ``x + residual``, which the forward also stores, and in the backward the new
 residual's gradient added to dx) and ``ONE_CHUNK`` (a row that fits one chunk is read once
-and kept in registers, in the forward and in the backward; every norm takes it). Config: ``MAX_BLOCK_N`` (widest
-column chunk), ``TILE`` (elements per program tile, so ``BLOCK_M = TILE // BLOCK_N`` rows),
+and kept in registers, in the forward and in the backward; every norm takes it). Config:
+``MAX_BLOCK_N`` (widest column chunk), ``TILE`` (elements per program tile, so
+``BLOCK_M = TILE // BLOCK_N`` rows),
 ``GROUPS`` (most partial rows for dweight/dbias of rows longer than a chunk),
 ``PROGRAMS_PER_SM`` (optional, default 4: the ``ONE_CHUNK`` backward's programs per
 multiprocessor) and ``num_warps`` (the most a program uses; small tiles use fewer).
