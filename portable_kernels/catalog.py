@@ -25,6 +25,8 @@ FAMILIES = (
     "flash_attn_varlen",
     "matmul",
     "grouped_matmul",
+    "kv_cache_write",
+    "flash_attn_with_kvcache",
 )
 
 
