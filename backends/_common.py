@@ -98,6 +98,12 @@ def _layer_norm(device) -> "list[triton.Config]":
     return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=_warps(device, 8))]
 
 
+def _kv_cache_write(device) -> "list[triton.Config]":
+    # A scatter copy of one head's D elements per token: 16 tokens x D=128 fp16 is 4 KB
+    # of keys (and as much of values) per program, 32 bytes a thread at 4 warps of 32.
+    return [triton.Config({"BLOCK_T": 16}, num_warps=_warps(device, 4))]
+
+
 #: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
 MEMORY_BOUND = {
     ("vector_add", None): _vector_add,
@@ -109,4 +115,5 @@ MEMORY_BOUND = {
     # Gated activations: two loads and a store per element, as vector_add.
     ("swiglu", None): _vector_add,
     ("geglu", None): _vector_add,
+    ("kv_cache_write", None): _kv_cache_write,
 }
