@@ -155,7 +155,7 @@ def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
               alibi_slopes=None, sinks=None, return_lse=False):
     """Each sequence through ``_attn_mods.reference`` (bottom-right aligned), in float64:
     (total_q, H, D), and with ``return_lse`` the (H, total_q) LSE."""
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cq, ck = ([int(n) for n in cu.tolist()] for cu in (cu_seqlens_q, cu_seqlens_k))
     outs, lses = [], []
     for b in range(len(cq) - 1):
         qs, ks = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]]
@@ -199,11 +199,9 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, "
-        "sm_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, "
-        "return_lse=False) -> out", problem,
-        "attention over a packed batch (FlashAttention's varlen layout), bottom-right causal, "
-        "window, softcap, ALiBi, sinks; differentiable", reference, inputs, "LENGTHSxHxD"))
+        NAME, "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, **options) -> out",
+        problem, "packed batch (FlashAttention's varlen layout), bottom-right causal, "
+        "options as flash_attn's; differentiable", reference, inputs, "LENGTHSxHxD"))
     registry.add_variant(variant(
         "generic",
         description="flash_attn's kernels with VARLEN: sequence bounds from cu_seqlens, "
