@@ -94,9 +94,11 @@ def _row(batch: int, keys: int, layout: str, dtype: torch.dtype, cudagraph: bool
         v_cache = torch.empty_like(k_cache)
         k_cache[perm] = k_dense.view(batch * per_seq, PAGE, H_KV, D)
         v_cache[perm] = v_dense.view(batch * per_seq, PAGE, H_KV, D)
-        ours = lambda: call(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)  # noqa: E731
+        def ours():
+            return call(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
     else:
-        ours = lambda: call(q, k_dense, v_dense, cache_seqlens=seqlens)  # noqa: E731
+        def ours():
+            return call(q, k_dense, v_dense, cache_seqlens=seqlens)
 
     qt, kt, vt = q.transpose(1, 2), k_dense.transpose(1, 2), v_dense.transpose(1, 2)
     sdpa = {}

@@ -557,7 +557,8 @@ def flash_attn_with_kvcache_cases(host, device, quick: bool):
                                     f"splits={splits}")
                             q = torch.empty(2, 1, 8, d, dtype=dtype)
                             rows = (8, 16) if paged else (2, 64)
-                            k_cache, v_cache = (torch.empty(*rows, 2, d, dtype=dtype) for _ in range(2))
+                            k_cache, v_cache = (torch.empty(*rows, 2, d, dtype=dtype)
+                                                for _ in range(2))
                             k, v = (torch.empty(2, 1, 2, d, dtype=dtype) for _ in range(2))
                             table = (torch.arange(8, dtype=torch.int32).view(2, 4) if paged
                                      else None)

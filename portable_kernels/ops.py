@@ -818,7 +818,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     tensor = isinstance(cache_seqlens, Tensor)
     seqlen = -1
     if cache_seqlens is not None and not tensor:
-        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int) or cache_seqlens < 0:
+        if (isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int)
+                or cache_seqlens < 0):
             raise InputError(f"flash_attn_with_kvcache: cache_seqlens must be an int32 tensor, "
                              f"an int >= 0 or None, got {cache_seqlens!r}")
         seqlen = cache_seqlens

@@ -19,7 +19,7 @@ import portable_kernels as pk
 from portable_kernels import ops
 from portable_kernels.testing import assert_close, tolerance
 
-from conftest import DEVICE, ON_CPU
+from conftest import ON_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "flash_attn_with_kvcache"
@@ -175,7 +175,8 @@ def _bad_calls(device):
         ("cache_seqlens", pk.InputError, (q, kc, vc), {"cache_seqlens": lengths[:1]}),
         ("window_size's left", pk.InputError, (q, kc, vc), {"window_size": (-2, 0)}),
         ("softcap", pk.InputError, (q, kc, vc), {"softcap": -1.0}),
-        ("alibi_slopes", pk.InputError, (q, kc, vc), {"alibi_slopes": torch.ones(3, device=device)}),
+        ("alibi_slopes", pk.InputError, (q, kc, vc),
+         {"alibi_slopes": torch.ones(3, device=device)}),
         ("head dim", pk.InputError, (q[..., :16], kc, vc), {}),
         ("multiple of the number of key/value heads", pk.InputError,
          (torch.zeros(2, 1, 3, 32, device=device), kc, vc), {}),
@@ -260,7 +261,8 @@ def test_torch_compile_fullgraph_through_ops_and_handles(gen, device):
                                              lengths=(5, 20))
     page = kc.shape[1]
     positions = seqlens.long()
-    slots = table[torch.arange(2, device=device), positions // page].long() * page + positions % page
+    blocks = table[torch.arange(2, device=device), positions // page].long()
+    slots = blocks * page + positions % page
 
     def step(calls, q, kc, vc, k, v):
         calls.kv_cache_write(k[:, 0], v[:, 0], kc, vc, slots)

@@ -54,7 +54,10 @@ Config (backend tuning tables): ``BLOCK_M`` (the most packed rows a tile holds; 
 uses the smallest power of two >= 16 that covers ``Nq * GROUP`` up to it), ``BLOCK_N`` (keys
 per step), optional ``BLOCK_R`` (rows per combine program, default 16) and ``WRITE_BLOCK_T``
 (tokens per append program, default 16), ``num_warps``, ``num_stages``; any other keyword
-goes to the attention kernel's launch as a compiler option (``waves_per_eu`` on ROCm).
+goes to the attention kernel's launch as a compiler option (``matrix_instr_nonkdim`` on
+ROCm). The launcher takes the first config and does not autotune: a decode step's time
+depends on the lengths in the cache, which a tuner keyed on shapes does not see, and a
+first call that benchmarked would not be capturable.
 """
 from __future__ import annotations
 
