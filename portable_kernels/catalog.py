@@ -27,6 +27,8 @@ FAMILIES = (
     "grouped_matmul",
     "rope",
     "add_rms_norm",
+    "kv_cache_write",
+    "flash_attn_with_kvcache",
 )
 
 

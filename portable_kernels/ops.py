@@ -26,6 +26,10 @@ len``              max_seqlen_k, causal=False, sm_scale=None, *options)``
                    -> (q_out, k_out)``                                   inverse rotation
 ``add_rms_norm``   ``(x, residual, weight, eps=1e-6, offset=0.0)         our bwd kernels
                    -> (out, new_residual)``
+``kv_cache_write`` ``(k, v, k_cache, v_cache, slot_mapping) -> None``     none (in place)
+``flash_attn_with  ``(q, k_cache, v_cache, k=None, v=None, cache_seqlens,  none (inference;
+_kvcache``         block_table, causal=True, sm_scale, *options,          caches mutated)
+                   num_splits=0)``
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -67,7 +71,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .errors import InputError
+from .errors import ArgumentError, InputError
 from .launch import launch_guard
 
 __all__ = [
@@ -85,6 +89,8 @@ __all__ = [
     "vector_add",
     "rope",
     "add_rms_norm",
+    "kv_cache_write",
+    "flash_attn_with_kvcache",
     "OPS",
 ]
 
@@ -93,7 +99,7 @@ NAMESPACE = "portable_kernels"
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
        "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
-       "rope", "add_rms_norm")
+       "rope", "add_rms_norm", "kv_cache_write", "flash_attn_with_kvcache")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -881,6 +887,87 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
 
 
 _LIB.impl("add_rms_norm", add_rms_norm, "CompositeImplicitAutograd")
+
+
+# --- kv_cache_write, flash_attn_with_kvcache -------------------------------------------------
+# Inference calls with no backward. Both write into the caches they are given, which their
+# schemas declare (mutates_args), so that torch.compile orders them against later reads of
+# the cache. cache_seqlens travels as an optional tensor plus an int (-1: none), since a
+# schema type cannot be "int or tensor".
+
+@torch.library.custom_op(f"{NAMESPACE}::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slot_mapping: Tensor) -> None:
+    """Store ``k``, ``v`` (T, H_kv, D) into the caches (contiguous (B, N_max, H_kv, D) or
+    paged (num_blocks, block_size, H_kv, D)) in place at the flat slots ``slot_mapping``
+    (T,) int32/int64 (``block * block_size + offset``; -1 skips the token)."""
+    _handle("kv_cache_write")(k, v, k_cache, v_cache, slot_mapping)
+
+
+@kv_cache_write.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flash_attn_with_kvcache",
+                         mutates_args=("k_cache", "v_cache"))
+def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                             k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+                             cache_seqlens: Optional[Tensor] = None, seqlen: int = -1,
+                             block_table: Optional[Tensor] = None, causal: bool = True,
+                             sm_scale: Optional[float] = None, window_left: int = -1,
+                             window_right: int = -1, softcap: float = 0.0,
+                             alibi_slopes: Optional[Tensor] = None,
+                             sinks: Optional[Tensor] = None,
+                             num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    """``(out (B, Nq, H, D), lse (B, H, Nq) fp32)``; ``seqlen`` >= 0 stands for an int
+    ``cache_seqlens``."""
+    lengths = cache_seqlens if cache_seqlens is not None else (seqlen if seqlen >= 0 else None)
+    out, lse = _handle("flash_attn_with_kvcache")(
+        q, k_cache, v_cache, k, v, lengths, block_table, causal, sm_scale,
+        (window_left, window_right), softcap, alibi_slopes, sinks, num_splits, True)
+    return out, lse
+
+
+@_flash_attn_with_kvcache.register_fake
+def _(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, seqlen=-1, block_table=None,
+      causal=True, sm_scale=None, window_left=-1, window_right=-1, softcap=0.0,
+      alibi_slopes=None, sinks=None, num_splits=0):
+    b, n_q, h, d = q.shape
+    return q.new_empty((b, n_q, h, d)), q.new_empty((b, h, n_q), dtype=torch.float32)
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+                            cache_seqlens=None, block_table: Optional[Tensor] = None,
+                            causal: bool = True, sm_scale: Optional[float] = None,
+                            window_size=(-1, -1), softcap: float = 0.0,
+                            alibi_slopes: Optional[Tensor] = None,
+                            sinks: Optional[Tensor] = None, num_splits: int = 0,
+                            return_lse: bool = False):
+    """FlashAttention's ``flash_attn_with_kvcache``: q (B, Nq, H, D) over a cache
+    (B, N_max, H_kv, D), or paged (num_blocks, block_size, H_kv, D) with ``block_table``
+    (B, max_blocks) int32; ``k``/``v`` (B, N_new, H_kv, D) appended in place at
+    ``cache_seqlens`` (int32 (B,), an int, or None: full) first; causal bottom-right;
+    options as :func:`flash_attn`'s. Returns (B, Nq, H, D), and with ``return_lse`` also
+    the fp32 (B, H, Nq) log-sum-exp."""
+    tensor = isinstance(cache_seqlens, Tensor)
+    seqlen = -1
+    if cache_seqlens is not None and not tensor:
+        if (isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int)
+                or cache_seqlens < 0):
+            raise InputError(f"flash_attn_with_kvcache: cache_seqlens must be an int32 tensor, "
+                             f"an int >= 0 or None, got {cache_seqlens!r}")
+        seqlen = cache_seqlens
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ArgumentError(f"flash_attn_with_kvcache: window_size must be a pair (left, "
+                            f"right), got {window_size!r}") from None
+    out, lse = torch.ops.portable_kernels.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens if tensor else None, seqlen, block_table,
+        causal, sm_scale, left, right, softcap, alibi_slopes, sinks, num_splits)
+    return (out, lse) if return_lse else out
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the
