@@ -98,6 +98,10 @@ def _layer_norm(device) -> "list[triton.Config]":
     return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=_warps(device, 8))]
 
 
+def _cross_entropy(device) -> "list[triton.Config]":
+    return [triton.Config({"MAX_BLOCK_V": 4096, "TILE": 4096}, num_warps=_warps(device, 8))]
+
+
 #: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
 MEMORY_BOUND = {
     ("vector_add", None): _vector_add,
@@ -109,4 +113,8 @@ MEMORY_BOUND = {
     # Gated activations: two loads and a store per element, as vector_add.
     ("swiglu", None): _vector_add,
     ("geglu", None): _vector_add,
+    # Vocabulary chunks of 4096 fp32 values over 8 warps (16 a thread); one row a program
+    # from there up. fused_linear_cross_entropy launches the same kernel on its chunks.
+    ("cross_entropy", None): _cross_entropy,
+    ("fused_linear_cross_entropy", None): _cross_entropy,
 }

@@ -25,6 +25,7 @@ FAMILIES = (
     "flash_attn_varlen",
     "matmul",
     "grouped_matmul",
+    "cross_entropy",
 )
 
 

@@ -20,6 +20,9 @@ op                 signature                                             backwar
 ``matmul``         ``(a, b) -> out``                                     our matmul
 ``grouped_matmul`` ``(list_a, list_b) -> list_out``                      our grouped_matmul
 ``flash_attn``     ``(q, k, v, causal=False, sm_scale=None) -> out``     our bwd kernels
+``cross_entropy``  ``(logits, target, ignore_index=-100,                 our bwd pass
+                   label_smoothing=0.0, z_loss=0.0, softcap=None,
+                   reduction="mean") -> loss``
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -75,6 +78,7 @@ __all__ = [
     "swiglu",
     "geglu",
     "vector_add",
+    "cross_entropy",
     "OPS",
 ]
 
@@ -82,7 +86,7 @@ NAMESPACE = "portable_kernels"
 
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
-       "geglu", "matmul", "grouped_matmul", "flash_attn")
+       "geglu", "matmul", "grouped_matmul", "flash_attn", "cross_entropy")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -588,6 +592,88 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
 
 
 _LIB.impl("flash_attn", flash_attn, "CompositeImplicitAutograd")
+
+
+# --- cross_entropy ------------------------------------------------------------------------
+# Split as layer_norm's: the backward needs the per-row log-sum-exp of the forward.
+
+def _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction) -> tuple:
+    return (ignore_index, float(label_smoothing), float(z_loss),
+            None if softcap is None else float(softcap), reduction)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_forward", mutates_args=())
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          softcap: Optional[float] = None,
+                          reduction: str = "mean") -> tuple[Tensor, Tensor]:
+    """``(loss, lse)``: the fp32 loss (reduced as ``reduction`` says) and the fp32
+    log-sum-exp of each row's (capped) logits, shape (T,), that the backward needs."""
+    plan = _handle("cross_entropy").plan(logits, target)
+    family = _family("cross_entropy")
+    args = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    family._check(logits, target, *args)
+    with _on(logits.device):
+        return family._forward(plan, logits, target, *args)
+
+
+@cross_entropy_forward.register_fake
+def _(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+      reduction="mean"):
+    rows = (logits.shape[0],)
+    loss = logits.new_empty(rows if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                           ignore_index: int = -100, label_smoothing: float = 0.0,
+                           z_loss: float = 0.0, softcap: Optional[float] = None,
+                           reduction: str = "mean") -> Tensor:
+    """The gradient of the logits (their shape and dtype) for the upstream ``grad``."""
+    plan = _handle("cross_entropy").plan(logits, target)
+    args = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    with _on(logits.device):
+        return _family("cross_entropy")._backward(plan, grad, logits, target, lse, *args)
+
+
+@cross_entropy_backward.register_fake
+def _(grad, logits, target, lse, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, *ctx.args = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, target, output[1])
+
+
+def _cross_entropy_backward(ctx, grad, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    dlogits = cross_entropy_backward(grad, logits, target, lse, *ctx.args)
+    return (dlogits, None) + (None,) * len(ctx.args)
+
+
+cross_entropy_forward.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+_LIB.define("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, "
+            "float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
+            "str reduction=\"mean\") -> Tensor")
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: Optional[float] = None, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits`` (T, V) (fp16, bf16, fp32) against ``target`` (T,) int64
+    or int32, torch's ``label_smoothing`` and ``ignore_index``, PaLM's ``z_loss`` and
+    Gemma 2's ``softcap``. An fp32 loss: a scalar for "mean" (NaN over no counted rows, as
+    torch) and "sum", (T,) for "none". Differentiable in ``logits``."""
+    return torch.ops.portable_kernels.cross_entropy_forward(
+        logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction)[0]
+
+
+_LIB.impl("cross_entropy", cross_entropy, "CompositeImplicitAutograd")
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the

@@ -37,6 +37,12 @@ def _sdpa(q, k, v, causal=False, sm_scale=None):
         q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _cross_entropy_reference(*args):
+    from portable_kernels.kernels.cross_entropy import reference
+
+    return reference(*args)
+
+
 # name -> (inputs(gen, device, requires_grad) -> args, float64 reference, tolerance kind).
 # Shapes have tails (33 columns, 9 and 11 tokens) and GQA (4 query heads over 2).
 CASES = {
@@ -78,6 +84,11 @@ CASES = {
                                      _randn(g, d, 1, 2, 11, 16, requires_grad=rg),
                                      _randn(g, d, 1, 2, 11, 16, requires_grad=rg), True, None),
                    _sdpa, "attention"),
+    # Every option on, a third of the rows ignored (-100), per-row losses.
+    "cross_entropy": (lambda g, d, rg: (_randn(g, d, 6, 37, scale=3.0, requires_grad=rg),
+                                        torch.tensor([3, -100, 0, 36, -100, 5], device=d),
+                                        -100, 0.1, 1e-2, 8.0, "none"),
+                      _cross_entropy_reference, "reduction"),
 }
 
 
@@ -115,7 +126,8 @@ def test_opcheck(name, gen, device):
 
 
 def test_opcheck_stage_ops(gen, device):
-    """The forward/backward halves behind layer_norm, rms_norm and flash_attn."""
+    """The forward/backward halves behind layer_norm, rms_norm, flash_attn and
+    cross_entropy."""
     ln = torch.ops.portable_kernels
     x, w, b, eps = CASES["layer_norm"][0](gen, device, True)
     torch.library.opcheck(ln.layer_norm_forward.default, (x, w, b, eps))
@@ -138,6 +150,15 @@ def test_opcheck_stage_ops(gen, device):
     do = torch.randn_like(out)
     torch.library.opcheck(ln.flash_attn_backward.default,
                           (do, q.detach(), k.detach(), v.detach(), out, lse, causal, scale))
+
+    logits, target, *options = CASES["cross_entropy"][0](gen, device, True)
+    for reduction in ("mean", "none"):
+        options[-1] = reduction
+        torch.library.opcheck(ln.cross_entropy_forward.default, (logits, target, *options))
+        with torch.no_grad():
+            loss, lse = ln.cross_entropy_forward(logits, target, *options)
+        torch.library.opcheck(ln.cross_entropy_backward.default,
+                              (torch.randn_like(loss), logits.detach(), target, lse, *options))
 
 
 @pytest.mark.parametrize("name", list(CASES))
