@@ -26,6 +26,7 @@ FAMILIES = (
     "matmul",
     "grouped_matmul",
     "cross_entropy",
+    "fused_linear_cross_entropy",
 )
 
 

@@ -23,6 +23,8 @@ op                 signature                                             backwar
 ``cross_entropy``  ``(logits, target, ignore_index=-100,                 our bwd pass
                    label_smoothing=0.0, z_loss=0.0, softcap=None,
                    reduction="mean") -> loss``
+``fused_linear_    ``(hidden, weight, target, bias=None, ...) -> loss``  computed in the
+cross_entropy``    (cross_entropy's options)                             forward, scaled
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -79,6 +81,7 @@ __all__ = [
     "geglu",
     "vector_add",
     "cross_entropy",
+    "fused_linear_cross_entropy",
     "OPS",
 ]
 
@@ -86,7 +89,8 @@ NAMESPACE = "portable_kernels"
 
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
-       "geglu", "matmul", "grouped_matmul", "flash_attn", "cross_entropy")
+       "geglu", "matmul", "grouped_matmul", "flash_attn", "cross_entropy",
+       "fused_linear_cross_entropy")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -674,6 +678,146 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
 
 
 _LIB.impl("cross_entropy", cross_entropy, "CompositeImplicitAutograd")
+
+
+# --- fused_linear_cross_entropy --------------------------------------------------------------
+# "mean" and "sum" with a gradient: one op whose forward returns the loss and its gradients
+# (computed chunk by chunk), whose backward scales them. Otherwise (no gradient wanted, or
+# "none", whose per-row upstream gradient the forward cannot know): a loss-only op whose
+# backward op runs the chunks again. A bias of None is an empty gradient in the op's outputs.
+
+_FLCE = "fused_linear_cross_entropy"
+
+
+def _flce_call(hidden, weight, target, bias, options):
+    plan = _handle(_FLCE).plan(hidden, weight, target, bias)
+    family = _family(_FLCE)
+    family._check(hidden, weight, target, bias, *options)
+    return plan, family
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_forward", mutates_args=())
+def fused_linear_cross_entropy_forward(
+        hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, dhidden, dweight, dbias)`` for "mean" or "sum": the fp32 loss and its
+    gradients for an upstream gradient of 1 (``dbias`` empty without a bias)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    if reduction == "none":
+        raise InputError(f"{_FLCE}_forward: computes the gradients of a reduced loss; "
+                         "reduction='none' takes fused_linear_cross_entropy_loss")
+    plan, family = _flce_call(hidden, weight, target, bias, options)
+    with _on(hidden.device):
+        loss, dh, dw, db = family.forward(plan, hidden, weight, target, bias, options,
+                                          (True, True, bias is not None))
+    return loss, dh, dw, hidden.new_empty((0,)) if db is None else db
+
+
+@fused_linear_cross_entropy_forward.register_fake
+def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape),
+            weight.new_empty(weight.shape), db)
+
+
+def _flce_forward_setup(ctx, inputs, output):
+    ctx.has_bias = inputs[3] is not None
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:])
+
+
+def _flce_forward_backward(ctx, grad, *_grad_of_gradients):
+    dh, dw, db = ctx.saved_tensors
+    return (dh * grad, dw * grad, None, db * grad if ctx.has_bias else None) + (None,) * 5
+
+
+fused_linear_cross_entropy_forward.register_autograd(_flce_forward_backward,
+                                                     setup_context=_flce_forward_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_loss", mutates_args=())
+def fused_linear_cross_entropy_loss(
+        hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+        softcap: Optional[float] = None, reduction: str = "mean") -> Tensor:
+    """The fp32 loss alone (no gradient computed in the forward)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    plan, family = _flce_call(hidden, weight, target, bias, options)
+    with _on(hidden.device):
+        return family.loss_only(plan, hidden, weight, target, bias, options)
+
+
+@fused_linear_cross_entropy_loss.register_fake
+def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    return hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward(
+        grad: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
+        bias: Optional[Tensor] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+        z_loss: float = 0.0, softcap: Optional[float] = None,
+        reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` for the upstream ``grad``, the chunks run again
+    (``dbias`` empty without a bias)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    plan = _handle(_FLCE).plan(hidden, weight, target, bias)
+    with _on(hidden.device):
+        dh, dw, db = _family(_FLCE).backward(plan, grad, hidden, weight, target, bias, options,
+                                             (True, True, bias is not None))
+    return dh, dw, hidden.new_empty((0,)) if db is None else db
+
+
+@fused_linear_cross_entropy_backward.register_fake
+def _(grad, hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+      z_loss=0.0, softcap=None, reduction="mean"):
+    db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
+
+
+def _flce_loss_setup(ctx, inputs, output):
+    hidden, weight, target, bias, *ctx.args = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, target, *([bias] if ctx.has_bias else []))
+
+
+def _flce_loss_backward(ctx, grad):
+    hidden, weight, target, *bias = ctx.saved_tensors
+    dh, dw, db = fused_linear_cross_entropy_backward(grad, hidden, weight, target,
+                                                     bias[0] if bias else None, *ctx.args)
+    return (dh, dw, None, db if ctx.has_bias else None) + (None,) * len(ctx.args)
+
+
+fused_linear_cross_entropy_loss.register_autograd(_flce_loss_backward,
+                                                  setup_context=_flce_loss_setup)
+
+_LIB.define("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, "
+            "Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, "
+            "float z_loss=0.0, float? softcap=None, str reduction=\"mean\") -> Tensor")
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
+                               bias: Optional[Tensor] = None, ignore_index: int = -100,
+                               label_smoothing: float = 0.0, z_loss: float = 0.0,
+                               softcap: Optional[float] = None,
+                               reduction: str = "mean") -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` for ``hidden`` (T, H),
+    ``weight`` (V, H), ``bias`` (V,) or None (one float dtype), in chunks of tokens,
+    never the (T, V) logits; cross_entropy's options and fp32 result. Differentiable in
+    ``hidden``, ``weight`` and ``bias``."""
+    args = (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if wants_grad and reduction != "none":
+        return torch.ops.portable_kernels.fused_linear_cross_entropy_forward(*args)[0]
+    return torch.ops.portable_kernels.fused_linear_cross_entropy_loss(*args)
+
+
+_LIB.impl("fused_linear_cross_entropy", fused_linear_cross_entropy, "CompositeImplicitAutograd")
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the
