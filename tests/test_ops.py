@@ -43,6 +43,12 @@ def _cross_entropy_reference(*args):
     return reference(*args)
 
 
+def _flce_reference(*args):
+    from portable_kernels.kernels.fused_linear_cross_entropy import reference
+
+    return reference(*args)
+
+
 # name -> (inputs(gen, device, requires_grad) -> args, float64 reference, tolerance kind).
 # Shapes have tails (33 columns, 9 and 11 tokens) and GQA (4 query heads over 2).
 CASES = {
@@ -89,6 +95,14 @@ CASES = {
                                         torch.tensor([3, -100, 0, 36, -100, 5], device=d),
                                         -100, 0.1, 1e-2, 8.0, "none"),
                       _cross_entropy_reference, "reduction"),
+    # Three chunks of four tokens, a bias, every option; "mean": gradients from the forward.
+    "fused_linear_cross_entropy": (
+        lambda g, d, rg: (_randn(g, d, 12, 32, requires_grad=rg),
+                          _randn(g, d, 100, 32, scale=0.3, requires_grad=rg),
+                          torch.tensor([3, -100, 0, 99, 5, 7, -100, 1, 2, 50, 60, 70], device=d),
+                          _randn(g, d, 100, scale=0.3, requires_grad=rg),
+                          -100, 0.1, 1e-2, 8.0, "mean"),
+        _flce_reference, "dot"),
 }
 
 
@@ -126,8 +140,8 @@ def test_opcheck(name, gen, device):
 
 
 def test_opcheck_stage_ops(gen, device):
-    """The forward/backward halves behind layer_norm, rms_norm, flash_attn and
-    cross_entropy."""
+    """The forward/backward halves behind layer_norm, rms_norm, flash_attn, cross_entropy
+    and fused_linear_cross_entropy."""
     ln = torch.ops.portable_kernels
     x, w, b, eps = CASES["layer_norm"][0](gen, device, True)
     torch.library.opcheck(ln.layer_norm_forward.default, (x, w, b, eps))
@@ -159,6 +173,20 @@ def test_opcheck_stage_ops(gen, device):
             loss, lse = ln.cross_entropy_forward(logits, target, *options)
         torch.library.opcheck(ln.cross_entropy_backward.default,
                               (torch.randn_like(loss), logits.detach(), target, lse, *options))
+
+    hidden, weight, target, bias, *options = CASES["fused_linear_cross_entropy"][0](gen, device, True)
+    for reduction, b in (("sum", bias), ("mean", None)):
+        options[-1] = reduction
+        torch.library.opcheck(ln.fused_linear_cross_entropy_forward.default,
+                              (hidden, weight, target, b, *options))
+    for reduction, b in (("none", bias), ("mean", None)):
+        options[-1] = reduction
+        torch.library.opcheck(ln.fused_linear_cross_entropy_loss.default,
+                              (hidden, weight, target, b, *options))
+        grad = torch.randn(12 if reduction == "none" else (), device=device)
+        torch.library.opcheck(ln.fused_linear_cross_entropy_backward.default,
+                              (grad, hidden.detach(), weight.detach(), target,
+                               None if b is None else b.detach(), *options))
 
 
 @pytest.mark.parametrize("name", list(CASES))

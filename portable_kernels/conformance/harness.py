@@ -140,7 +140,8 @@ class KernelSuite:
         tolerance: the kind in :data:`portable_kernels.testing.TOLERANCES` for outputs.
         dtypes: the input dtypes to try.
         quick_dtypes: the dtypes of the ``--pk-quick`` subset (default: ``dtypes``).
-        grad_args: positions of the arguments whose gradients the backward check compares;
+        grad_args: positions of the arguments whose gradients the backward check compares
+            (skipped in a case where that argument is None: an optional tensor left out);
             empty when the kernel has no backward.
         grad_tolerance: the tolerance kind for gradients (default: ``tolerance``).
         arg_names: names of the positional arguments, for messages (``"dx"``).
@@ -602,10 +603,12 @@ class CaseRun:
         suite = self.case.suite
         kernel = pk.get_kernel(self.case.kernel)
         args = list(inputs.args)
-        for i in suite.grad_args:
+        # An optional tensor argument left out (None, e.g. a bias) has no gradient to check.
+        grad_args = [i for i in suite.grad_args if inputs.args[i] is not None]
+        for i in grad_args:
             # detach() keeps the strides, so strided layouts stay strided.
             args[i] = args[i].detach().requires_grad_(True)
-        leaves = [args[i] for i in suite.grad_args]
+        leaves = [args[i] for i in grad_args]
         grad_inputs = Inputs(tuple(args), inputs.kwargs)
         outs, forward_s = self._timed(lambda: _flatten(suite.call(kernel, grad_inputs)))
         grad_outs = [randn(o.shape, o.dtype, o.device, gen) for o in outs]
@@ -613,13 +616,13 @@ class CaseRun:
             lambda: list(torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True)))
         seconds = forward_s + backward_s
         args64 = list(inputs.args)
-        for i in suite.grad_args:
+        for i in grad_args:
             args64[i] = inputs.args[i].detach().to(torch.float64).requires_grad_(True)
-        leaves64 = [args64[i] for i in suite.grad_args]
+        leaves64 = [args64[i] for i in grad_args]
         refs_out = _flatten(suite.call(self._reference(), Inputs(tuple(args64), inputs.kwargs)))
         refs = torch.autograd.grad(refs_out, leaves64, [g.to(torch.float64) for g in grad_outs],
                                    allow_unused=True)
-        names = [f"d{suite.arg_name(i)}" for i in suite.grad_args]
+        names = [f"d{suite.arg_name(i)}" for i in grad_args]
         for name, g, r in zip(names, grads, refs):
             if g is None and r is not None:
                 self._fail(f"{name}: the kernel's backward returned no gradient")
