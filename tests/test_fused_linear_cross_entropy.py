@@ -116,6 +116,14 @@ def test_chunk_rows():
                 assert c * n_classes < 2 * rows * width + 2 * n_classes, (rows, n_classes, width, c)
 
 
+def test_weight_gradient_in_slices(gen, device):
+    """Over 1024 classes the weight gradient's products take slices of weight rows."""
+    hidden, weight, target, b = _inputs(gen, device, torch.float32, rows=2, width=8,
+                                        n_classes=2100, bias=True, ignored=0.0)
+    assert flce.weight_slice(chunk_rows(2, 2100, 8), 2100, 8) == 1024  # three slices
+    _check(gen, hidden, weight, target, b, label_smoothing=0.1)
+
+
 class _Largest(TorchDispatchMode):
     """The largest tensor (in elements) any operator returns, of dtypes other than uint8:
     the interpreter's own byte copies of launch arguments are not the library's."""
@@ -145,6 +153,7 @@ def test_never_allocates_the_logits(reduction, gen, device):
     step = chunk_rows(rows, n_classes, width)
     assert step < rows
     assert seen.largest <= max(step * n_classes, n_classes * width, rows * width) < rows * n_classes
+    assert flce.weight_slice(step, n_classes, width) == n_classes  # one slice: V < 1024
 
 
 def test_projections_run_on_the_matmul_family(gen, device, monkeypatch):

@@ -10,8 +10,9 @@ rows (:func:`chunk_rows`); per chunk:
 2. ``cross_entropy``'s kernel with both passes in one launch: the rows' loss and, in
    place of the logits, their gradient (times ``1 / counted rows`` for ``"mean"``); the
    bias is added inside the kernel, in fp32;
-3. ``dh_c = dlogits @ weight`` into the hidden gradient; ``dlogits.T @ h_c`` added to an
-   fp32 weight-gradient accumulator; the column sums of ``dlogits`` to an fp32 bias one.
+3. ``dh_c = dlogits @ weight`` into the hidden gradient; ``dlogits.T @ h_c``, in slices
+   of weight rows, added to an fp32 weight-gradient accumulator; the column sums of
+   ``dlogits`` to an fp32 bias one.
 
 So the forward of ``"mean"`` and ``"sum"`` computes every gradient, and the backward only
 multiplies them by the upstream (scalar) gradient, as Liger's fused linear cross-entropy
@@ -19,15 +20,20 @@ does. ``"none"`` cannot: its upstream gradient weighs each row, and the weight g
 sums over rows, so its forward computes the losses only and its backward runs the chunks
 again with the per-row weights as the kernel's scale.
 
-Memory beyond the inputs, in elements (s: the inputs' element size in bytes):
+Memory beyond the inputs, in bytes (s: the inputs' element size):
 
-    C*V*s (a logits chunk, reused as its gradient) + C*H*s + V*H*s (one chunk's gradient
-    products) + V*H*4 + V*4 (fp32 accumulators) + T*H*s (the hidden gradient) + 2*T*4
+    C*V*s (a logits chunk, reused as its gradient) + C*H*s (a hidden-gradient product)
+    + R*H*s (a weight-gradient product of R = weight_slice(...) rows, about C*V/H)
+    + V*H*4 + V*4 (fp32 accumulators) + T*H*s (the hidden gradient) + 8*T
 
-of which T*H*s + V*H*s + V*s (the gradients) live until the backward. With
+of which T*H*s + V*H*s + V*s (the gradients) live until the backward. At the end of the
+forward the fp32 weight accumulator and the s-byte gradient coexist once: V*H*(4 + s) at
+that moment. fp32 accumulation costs that, twice a bf16 gradient's memory, and keeps the
+weight gradient, a sum over T/C chunks, from being rounded once per chunk. With
 ``C = min(T, next_power_of_2(ceil(T / ceil(V / H))))`` the chunk is at most about twice
 the hidden states' size, ``C*V < 2*T*H + 2*V`` elements: for T=8192, H=4096, V=128256,
-C=256 and a 66 MB bf16 chunk, where the full logits would take 2.1 GB (4.2 GB in fp32).
+C=256 and a 66 MB bf16 chunk, where the full logits would take 2.1 GB (4.2 GB in fp32);
+the fp32 accumulator takes 2.1 GB there, the bf16 weight gradient 1.05 GB.
 Configs are ``cross_entropy``'s (``MAX_BLOCK_V``, ``TILE``).
 """
 from __future__ import annotations
@@ -58,6 +64,13 @@ def chunk_rows(n_rows: int, n_classes: int, hidden: int) -> int:
     (T, H) hidden states, a power of two (at most ``n_rows``, at least 1)."""
     per_chunk = _host.next_power_of_2(_host.cdiv(max(n_rows, 1), _host.cdiv(n_classes, max(hidden, 1))))
     return max(1, min(n_rows, per_chunk))
+
+
+def weight_slice(step: int, n_classes: int, hidden: int) -> int:
+    """Weight rows per slice of the weight gradient's products: a (rows, H) product about
+    the size of the (C, V) logits chunk, at least 1024 rows (or all V), so each product
+    still fills a GPU."""
+    return max(1, min(n_classes, max(1024, _host.cdiv(step * n_classes, max(hidden, 1)))))
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
@@ -111,9 +124,12 @@ def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(F
     lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     grads = any(needs)
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if needs[0] else None
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if needs[1] else None
-    db = torch.zeros(n_classes, dtype=torch.float32, device=device) if needs[2] else None
     step = chunk_rows(n_rows, n_classes, width)
+    # The weight gradient sums over every chunk: accumulated in fp32, its products taken
+    # in slices of weight rows so that no whole (V, H) product exists next to it.
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if needs[1] else None
+    dw_parts = dw.split(weight_slice(step, n_classes, width)) if needs[1] else ()
+    db = torch.zeros(n_classes, dtype=torch.float32, device=device) if needs[2] else None
     weight_t = weight.t()  # (H, V): the matmul reads the strides, no copy
     for start in range(0, n_rows, step):
         end = min(start + step, n_rows)
@@ -126,8 +142,10 @@ def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(F
                           z_loss=z_loss, softcap=softcap)
         if needs[0]:
             dh[start:end] = _product(logits, weight)
-        if needs[1]:
-            dw += _product(logits.t(), h)
+        v = 0
+        for part in dw_parts:
+            part += _product(logits[:, v:v + part.shape[0]].t(), h)
+            v += part.shape[0]
         if needs[2]:
             db += logits.sum(0, dtype=torch.float32)
     cast = (lambda t: None if t is None else t.to(hidden.dtype))
