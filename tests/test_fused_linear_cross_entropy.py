@@ -170,7 +170,7 @@ def test_projections_run_on_the_matmul_family(gen, device, monkeypatch):
     fused(h, w, target).backward()
     chunks = -(-12 // chunk_rows(12, 100, 32))
     assert len(calls) == 3 * chunks  # logits, dhidden and dweight per chunk
-    assert set(calls) == set(pk.list_variants("matmul", device)[:1])
+    assert set(calls) <= set(pk.list_variants("matmul", device))
 
 
 @pytest.mark.parametrize("change, match", [
