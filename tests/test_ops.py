@@ -90,6 +90,14 @@ CASES = {
                                      _randn(g, d, 1, 2, 11, 16, requires_grad=rg),
                                      _randn(g, d, 1, 2, 11, 16, requires_grad=rg), True, None),
                    _sdpa, "attention"),
+    # A packed batch: sequences of 3 and 0 queries over 4 and 2 keys (causal: bottom-right).
+    "flash_attn_varlen": (lambda g, d, rg: (_randn(g, d, 3, 4, 16, requires_grad=rg),
+                                            _randn(g, d, 6, 2, 16, requires_grad=rg),
+                                            _randn(g, d, 6, 2, 16, requires_grad=rg),
+                                            torch.tensor([0, 3, 3], dtype=torch.int32, device=d),
+                                            torch.tensor([0, 4, 6], dtype=torch.int32, device=d),
+                                            3, 4, True),
+                          lambda *a: _varlen_reference(*a), "attention"),
     # Every option on, a third of the rows ignored (-100), per-row losses.
     "cross_entropy": (lambda g, d, rg: (_randn(g, d, 6, 37, scale=3.0, requires_grad=rg),
                                         torch.tensor([3, -100, 0, 36, -100, 5], device=d),
@@ -104,6 +112,11 @@ CASES = {
                           -100, 0.1, 1e-2, 8.0, "mean"),
         _flce_reference, "dot"),
 }
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    from portable_kernels.kernels import flash_attn_varlen
+    return flash_attn_varlen.reference(q, k, v, cu_q, cu_k, causal=causal)
 
 
 def _double(value):

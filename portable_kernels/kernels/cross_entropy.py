@@ -374,10 +374,9 @@ def default_configs(device) -> list:
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, "
-        "softcap=None, reduction='mean') -> loss", problem,
-        "cross-entropy over vocabulary chunks (online fp32 log-sum-exp), label smoothing, "
-        "z-loss, softcap; differentiable", reference, inputs, "TxV"))
+        NAME, "(logits, target, ignore_index=-100, **options) -> loss", problem,
+        "cross-entropy over vocabulary chunks (online fp32 log-sum-exp); options "
+        "label_smoothing, z_loss, softcap, reduction; differentiable", reference, inputs, "TxV"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
         description="a program per row block, vocabulary in chunks: online max/sum, then the "

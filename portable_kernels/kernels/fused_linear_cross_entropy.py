@@ -256,10 +256,9 @@ def inputs(shape: str, dtype: torch.dtype, device) -> tuple:
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, "
-        "z_loss=0.0, softcap=None, reduction='mean') -> loss", problem,
-        "the last projection and cross_entropy in chunks of tokens, never the (T, V) logits; "
-        "differentiable in hidden, weight and bias", reference, inputs, "TxHxV"))
+        NAME, "(hidden, weight, target, bias=None, **options) -> loss", problem,
+        "the last projection and cross_entropy (its options) in chunks of tokens, never the "
+        "(T, V) logits; differentiable in hidden, weight and bias", reference, inputs, "TxHxV"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported,
         configs=cross_entropy.default_configs,
