@@ -109,6 +109,10 @@ def _kv_cache_write(device) -> "list[triton.Config]":
     return [triton.Config({"BLOCK_T": 16}, num_warps=_warps(device, 4))]
 
 
+def _cross_entropy(device) -> "list[triton.Config]":
+    return [triton.Config({"MAX_BLOCK_V": 4096, "TILE": 4096}, num_warps=_warps(device, 8))]
+
+
 #: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
 MEMORY_BOUND = {
     ("vector_add", None): _vector_add,
@@ -123,4 +127,8 @@ MEMORY_BOUND = {
     ("rope", None): _rope,
     ("add_rms_norm", None): _layer_norm,  # layer_norm's kernels with RMS and ADD on
     ("kv_cache_write", None): _kv_cache_write,
+    # Vocabulary chunks of 4096 fp32 values over 8 warps (16 a thread); one row a program
+    # from there up. fused_linear_cross_entropy launches the same kernel on its chunks.
+    ("cross_entropy", None): _cross_entropy,
+    ("fused_linear_cross_entropy", None): _cross_entropy,
 }

@@ -588,6 +588,40 @@ def flash_attn_with_kvcache_cases(host, device, quick: bool):
                                           num_splits=splits)
 
                             yield variant, name, launch
+def loss_cases(kernel: str):
+    """cross_entropy's kernel in the pass combinations its launchers launch: for
+    cross_entropy its forward (pass 1) and backward (pass 2); for fused_linear_cross_entropy
+    both passes in one launch with the bias, in place. Each with every option off and on,
+    over a 50000-class vocabulary (the chunk loop)."""
+    options = ({}, {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0})
+
+    def cases(host, device, quick: bool):
+        for variant in selectable(host, device, kernel):
+            plan_list = plans(host, device, kernel, variant)
+            for plan in plan_list[:1] if quick else plan_list:
+                for dtype in _dtypes(device, quick) + ([] if quick else [torch.float32]):
+                    for opts in options:
+                        name = (f"{_label(plan.configs[0], ('MAX_BLOCK_V', 'TILE'))} {_short(dtype)} "
+                                f"8x50000{' options' if opts else ''}")
+                        yield variant, name, (lambda plan=plan, dtype=dtype, opts=opts:
+                                              _loss_passes(kernel, plan, dtype, opts))
+
+    return cases
+
+
+def _loss_passes(kernel: str, plan, dtype, opts) -> None:
+    from portable_kernels.kernels import cross_entropy
+
+    logits = torch.randn(8, 50000).to(dtype)
+    target = torch.randint(50000, (8,))
+    rows, lse, one = torch.empty(8), torch.empty(8), torch.ones(())
+    if kernel == "cross_entropy":
+        cross_entropy.run(plan, logits, target, loss=rows, lse=lse, **opts)
+        cross_entropy.run(plan, logits, target, lse=lse, grad=torch.empty_like(logits), scale=one,
+                          **opts)
+    else:
+        cross_entropy.run(plan, logits, target, loss=rows, lse=lse, grad=logits, scale=one,
+                          bias=torch.randn(50000).to(dtype), **opts)
 
 
 FAMILIES = {
@@ -607,6 +641,8 @@ FAMILIES = {
     "add_rms_norm": memory_bound_cases("add_rms_norm"),
     "kv_cache_write": memory_bound_cases("kv_cache_write"),
     "flash_attn_with_kvcache": flash_attn_with_kvcache_cases,
+    "cross_entropy": loss_cases("cross_entropy"),
+    "fused_linear_cross_entropy": loss_cases("fused_linear_cross_entropy"),
 }
 
 

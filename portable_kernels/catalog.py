@@ -29,6 +29,8 @@ FAMILIES = (
     "add_rms_norm",
     "kv_cache_write",
     "flash_attn_with_kvcache",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
 )
 
 

@@ -30,6 +30,11 @@ len``              max_seqlen_k, causal=False, sm_scale=None, *options)``
 ``flash_attn_with  ``(q, k_cache, v_cache, k=None, v=None, cache_seqlens,  none (inference;
 _kvcache``         block_table, causal=True, sm_scale, *options,          caches mutated)
                    num_splits=0)``
+``cross_entropy``  ``(logits, target, ignore_index=-100,                 our bwd pass
+                   label_smoothing=0.0, z_loss=0.0, softcap=None,
+                   reduction="mean") -> loss``
+``fused_linear_    ``(hidden, weight, target, bias=None, ...) -> loss``  computed in the
+cross_entropy``    (cross_entropy's options)                             forward, scaled
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -91,6 +96,8 @@ __all__ = [
     "add_rms_norm",
     "kv_cache_write",
     "flash_attn_with_kvcache",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
     "OPS",
 ]
 
@@ -99,7 +106,8 @@ NAMESPACE = "portable_kernels"
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
        "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
-       "rope", "add_rms_norm", "kv_cache_write", "flash_attn_with_kvcache")
+       "rope", "add_rms_norm", "kv_cache_write", "flash_attn_with_kvcache", "cross_entropy",
+       "fused_linear_cross_entropy")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -968,6 +976,226 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         q, k_cache, v_cache, k, v, cache_seqlens if tensor else None, seqlen, block_table,
         causal, sm_scale, left, right, softcap, alibi_slopes, sinks, num_splits)
     return (out, lse) if return_lse else out
+# --- cross_entropy ------------------------------------------------------------------------
+# Split as layer_norm's: the backward needs the per-row log-sum-exp of the forward.
+
+def _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction) -> tuple:
+    return (ignore_index, float(label_smoothing), float(z_loss),
+            None if softcap is None else float(softcap), reduction)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_forward", mutates_args=())
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          softcap: Optional[float] = None,
+                          reduction: str = "mean") -> tuple[Tensor, Tensor]:
+    """``(loss, lse)``: the fp32 loss (reduced as ``reduction`` says) and the fp32
+    log-sum-exp of each row's (capped) logits, shape (T,), that the backward needs."""
+    plan = _handle("cross_entropy").plan(logits, target)
+    family = _family("cross_entropy")
+    args = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    family._check(logits, target, *args)
+    with _on(logits.device):
+        return family._forward(plan, logits, target, *args)
+
+
+@cross_entropy_forward.register_fake
+def _(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+      reduction="mean"):
+    rows = (logits.shape[0],)
+    loss = logits.new_empty(rows if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                           ignore_index: int = -100, label_smoothing: float = 0.0,
+                           z_loss: float = 0.0, softcap: Optional[float] = None,
+                           reduction: str = "mean") -> Tensor:
+    """The gradient of the logits (their shape and dtype) for the upstream ``grad``."""
+    plan = _handle("cross_entropy").plan(logits, target)
+    args = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    with _on(logits.device):
+        return _family("cross_entropy")._backward(plan, grad, logits, target, lse, *args)
+
+
+@cross_entropy_backward.register_fake
+def _(grad, logits, target, lse, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, *ctx.args = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, target, output[1])
+
+
+def _cross_entropy_backward(ctx, grad, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    dlogits = cross_entropy_backward(grad, logits, target, lse, *ctx.args)
+    return (dlogits, None) + (None,) * len(ctx.args)
+
+
+cross_entropy_forward.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+_LIB.define("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, "
+            "float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
+            "str reduction=\"mean\") -> Tensor")
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: Optional[float] = None, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits`` (T, V) (fp16, bf16, fp32) against ``target`` (T,) int64
+    or int32, torch's ``label_smoothing`` and ``ignore_index``, PaLM's ``z_loss`` and
+    Gemma 2's ``softcap``. An fp32 loss: a scalar for "mean" (NaN over no counted rows, as
+    torch) and "sum", (T,) for "none". Differentiable in ``logits``."""
+    return torch.ops.portable_kernels.cross_entropy_forward(
+        logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction)[0]
+
+
+_LIB.impl("cross_entropy", cross_entropy, "CompositeImplicitAutograd")
+
+
+# --- fused_linear_cross_entropy --------------------------------------------------------------
+# "mean" and "sum" with a gradient: one op whose forward returns the loss and its gradients
+# (computed chunk by chunk), whose backward scales them. Otherwise (no gradient wanted, or
+# "none", whose per-row upstream gradient the forward cannot know): a loss-only op whose
+# backward op runs the chunks again. A bias of None is an empty gradient in the op's outputs.
+
+_FLCE = "fused_linear_cross_entropy"
+
+
+def _flce_call(hidden, weight, target, bias, options):
+    plan = _handle(_FLCE).plan(hidden, weight, target, bias)
+    family = _family(_FLCE)
+    family._check(hidden, weight, target, bias, *options)
+    return plan, family
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_forward", mutates_args=())
+def fused_linear_cross_entropy_forward(
+        hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, dhidden, dweight, dbias)`` for "mean" or "sum": the fp32 loss and its
+    gradients for an upstream gradient of 1 (``dbias`` empty without a bias)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    if reduction == "none":
+        raise InputError(f"{_FLCE}_forward: computes the gradients of a reduced loss; "
+                         "reduction='none' takes fused_linear_cross_entropy_loss")
+    plan, family = _flce_call(hidden, weight, target, bias, options)
+    with _on(hidden.device):
+        loss, dh, dw, db = family.forward(plan, hidden, weight, target, bias, options,
+                                          (True, True, bias is not None))
+    return loss, dh, dw, hidden.new_empty((0,)) if db is None else db
+
+
+@fused_linear_cross_entropy_forward.register_fake
+def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape),
+            weight.new_empty(weight.shape), db)
+
+
+def _flce_forward_setup(ctx, inputs, output):
+    ctx.has_bias = inputs[3] is not None
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:])
+
+
+def _flce_forward_backward(ctx, grad, *_grad_of_gradients):
+    dh, dw, db = ctx.saved_tensors
+    return (dh * grad, dw * grad, None, db * grad if ctx.has_bias else None) + (None,) * 5
+
+
+fused_linear_cross_entropy_forward.register_autograd(_flce_forward_backward,
+                                                     setup_context=_flce_forward_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_loss", mutates_args=())
+def fused_linear_cross_entropy_loss(
+        hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+        softcap: Optional[float] = None, reduction: str = "mean") -> Tensor:
+    """The fp32 loss alone (no gradient computed in the forward)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    plan, family = _flce_call(hidden, weight, target, bias, options)
+    with _on(hidden.device):
+        return family.loss_only(plan, hidden, weight, target, bias, options)
+
+
+@fused_linear_cross_entropy_loss.register_fake
+def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    return hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward(
+        grad: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
+        bias: Optional[Tensor] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+        z_loss: float = 0.0, softcap: Optional[float] = None,
+        reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` for the upstream ``grad``, the chunks run again
+    (``dbias`` empty without a bias)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    plan = _handle(_FLCE).plan(hidden, weight, target, bias)
+    with _on(hidden.device):
+        dh, dw, db = _family(_FLCE).backward(plan, grad, hidden, weight, target, bias, options,
+                                             (True, True, bias is not None))
+    return dh, dw, hidden.new_empty((0,)) if db is None else db
+
+
+@fused_linear_cross_entropy_backward.register_fake
+def _(grad, hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+      z_loss=0.0, softcap=None, reduction="mean"):
+    db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
+
+
+def _flce_loss_setup(ctx, inputs, output):
+    hidden, weight, target, bias, *ctx.args = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, target, *([bias] if ctx.has_bias else []))
+
+
+def _flce_loss_backward(ctx, grad):
+    hidden, weight, target, *bias = ctx.saved_tensors
+    dh, dw, db = fused_linear_cross_entropy_backward(grad, hidden, weight, target,
+                                                     bias[0] if bias else None, *ctx.args)
+    return (dh, dw, None, db if ctx.has_bias else None) + (None,) * len(ctx.args)
+
+
+fused_linear_cross_entropy_loss.register_autograd(_flce_loss_backward,
+                                                  setup_context=_flce_loss_setup)
+
+_LIB.define("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, "
+            "Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, "
+            "float z_loss=0.0, float? softcap=None, str reduction=\"mean\") -> Tensor")
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
+                               bias: Optional[Tensor] = None, ignore_index: int = -100,
+                               label_smoothing: float = 0.0, z_loss: float = 0.0,
+                               softcap: Optional[float] = None,
+                               reduction: str = "mean") -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` for ``hidden`` (T, H),
+    ``weight`` (V, H), ``bias`` (V,) or None (one float dtype), in chunks of tokens,
+    never the (T, V) logits; cross_entropy's options and fp32 result. Differentiable in
+    ``hidden``, ``weight`` and ``bias``."""
+    args = (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if wants_grad and reduction != "none":
+        return torch.ops.portable_kernels.fused_linear_cross_entropy_forward(*args)[0]
+    return torch.ops.portable_kernels.fused_linear_cross_entropy_loss(*args)
+
+
+_LIB.impl("fused_linear_cross_entropy", fused_linear_cross_entropy, "CompositeImplicitAutograd")
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the

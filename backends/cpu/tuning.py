@@ -50,6 +50,11 @@ _CONFIGS: dict[tuple[str, str | None], triton.Config] = {
     ("flash_attn_with_kvcache", None): triton.Config(
         {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_R": 64, "WRITE_BLOCK_T": 64}, num_warps=1),
     ("kv_cache_write", None): triton.Config({"BLOCK_T": 64}, num_warps=1),
+    # 1024-wide vocabulary chunks: test-sized vocabularies of a few thousand still take
+    # several chunks (the online max/sum's rescaling); narrow ones pack rows per program.
+    ("cross_entropy", None): triton.Config({"MAX_BLOCK_V": 1024, "TILE": 8192}, num_warps=1),
+    ("fused_linear_cross_entropy", None): triton.Config({"MAX_BLOCK_V": 1024, "TILE": 8192},
+                                                        num_warps=1),
 }
 
 
