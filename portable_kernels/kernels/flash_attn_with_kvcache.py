@@ -626,9 +626,8 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, "
-        "causal=True, sm_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, "
-        "sinks=None, num_splits=0, return_lse=False) -> out", problem,
+        NAME, "(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, **options) -> out",
+        problem,
         "decode attention over a contiguous or paged KV cache (FlashAttention's layout), new "
         "tokens appended in place, split-K merged by LSE; bottom-right causal, window, "
         "softcap, ALiBi, sinks", reference, inputs, "BxNqxHxH_KVxKEYSxD"))
