@@ -38,8 +38,9 @@ def model():
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """(q shape, k shape, causal) of every call that reached ops.flash_attn, and
-    ("varlen", total q, total k, causal) of every ops.flash_attn_varlen call."""
+    """(q shape, k shape, causal) of every call that reached ops.flash_attn,
+    ("varlen", total q, total k, causal) of every ops.flash_attn_varlen call and
+    ("kvcache", q shape, cache shape, causal) of every ops.flash_attn_with_kvcache call."""
     calls = []
     real, real_varlen = ops.flash_attn, ops.flash_attn_varlen
 
@@ -51,8 +52,15 @@ def kernel_calls(monkeypatch):
         calls.append(("varlen", q.shape[0], k.shape[0], args[4] if len(args) > 4 else None))
         return real_varlen(q, k, v, *args, **options)
 
+    real_decode = ops.flash_attn_with_kvcache
+
+    def recording_decode(q, k_cache, v_cache, *args, **options):
+        calls.append(("kvcache", tuple(q.shape), tuple(k_cache.shape), options.get("causal")))
+        return real_decode(q, k_cache, v_cache, *args, **options)
+
     monkeypatch.setattr(ops, "flash_attn", recording)
     monkeypatch.setattr(ops, "flash_attn_varlen", recording_varlen)
+    monkeypatch.setattr(ops, "flash_attn_with_kvcache", recording_decode)
     return calls
 
 
@@ -89,9 +97,10 @@ def test_decoding_with_kv_cache_matches_sdpa(model, gen, device, kernel_calls):
             logits[impl] = (prefill, step1, step2)
     for out, ref in zip(logits[pk_hf.NAME], logits["sdpa"]):
         assert_close(out, ref, TOL, "logits")
-    # Decoding: one query over every cached key (Nq != Nk): causal, aligned bottom-right.
-    assert ((2, 4, 1, 16), (2, 2, SEQ - 1, 16), True) in kernel_calls
-    assert ((2, 4, 1, 16), (2, 2, SEQ, 16), True) in kernel_calls
+    # Decoding: one query over every cached key, on the serving kernel, which reads
+    # transformers' (B, H_kv, N, D) cache as (B, N, H_kv, D) through its strides.
+    assert ("kvcache", (2, 1, 4, 16), (2, SEQ - 1, 2, 16), True) in kernel_calls
+    assert ("kvcache", (2, 1, 4, 16), (2, SEQ, 2, 16), True) in kernel_calls
 
 
 def test_gradients_match_sdpa(model, gen, device):
@@ -146,8 +155,8 @@ def test_greedy_generation_matches_sdpa(model, gen, device, kernel_calls):
                                               max_new_tokens=6, do_sample=False,
                                               pad_token_id=0)
         assert torch.equal(tokens[pk_hf.NAME], tokens["sdpa"])
-    assert any(c[0] == "varlen" for c in kernel_calls)
-    assert ((2, 4, 1, 16), (2, 2, 8, 16), True) in kernel_calls  # a decode step, unpadded
+    assert any(c[0] == "varlen" for c in kernel_calls)  # padded prefill and decode steps
+    assert ("kvcache", (2, 1, 4, 16), (2, 8, 2, 16), True) in kernel_calls  # unpadded decode
 
 
 def test_unsupported_calls_fall_back_to_sdpa_with_a_logged_reason(gen, device, caplog):

@@ -15,8 +15,10 @@ What runs on our kernels (``portable_kernels.ops``, custom ops, so
 ``torch.compile(fullgraph=True)`` traces the unpadded path):
 
 - no padding: ``flash_attn`` with causal masking aligned bottom-right, as FlashAttention
-  aligns it: prefill, chunked prefill over a cache, and decoding (one query over every
-  cached key) alike; grouped-query attention with H_kv < H passed as is (no ``repeat_kv``);
+  aligns it: prefill and chunked prefill over a cache; decoding steps (up to
+  ``DECODE_MAX_QUERIES`` queries over more keys, no gradient) on ``flash_attn_with_kvcache``
+  over transformers' own cache (read through its strides); grouped-query attention with
+  H_kv < H passed as is (no ``repeat_kv``);
 - padding: the batch is unpadded (the valid keys of each sequence, and its valid queries
   among the last Nq positions) and runs through ``flash_attn_varlen``, as FlashAttention-2's
   integration does; padded query positions get zeros. (Finding the valid tokens reads the
@@ -53,6 +55,10 @@ NAME = "portable_kernels"
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Calls of at most this many queries over more keys (decoding, speculative decoding)
+#: without a gradient go to ``flash_attn_with_kvcache``, whose split over the keys keeps
+#: the GPU busy when Nq is small.
+DECODE_MAX_QUERIES = 16
 _MAX_HEAD_DIM = 256
 # kwargs some models pass that change the attention itself; the kernels have none of them.
 _UNSUPPORTED_KWARGS = {
@@ -218,6 +224,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = None
     if attention_mask is not None:
         return _unpadded(query, key, value, attention_mask, causal, scaling, options), None
+    if n_q <= DECODE_MAX_QUERIES and n_k > n_q and not torch.is_grad_enabled():
+        # Decoding (or speculative decoding) over the cache transformers keeps: the serving
+        # kernel reads the (B, H_kv, N, D) cache through its strides as FlashAttention's
+        # (B, N, H_kv, D), splitting the keys across programs.
+        out = ops.flash_attn_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
+                                          value.transpose(1, 2), causal=causal,
+                                          sm_scale=scaling, **options)
+        return out.contiguous(), None
     out = ops.flash_attn(query, key, value, causal, scaling, align="bottom_right", **options)
     return out.transpose(1, 2).contiguous(), None
 
