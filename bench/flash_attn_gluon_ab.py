@@ -1,6 +1,6 @@
 """Same-run A/B of a ``flash_attn_gluon`` forward knob on an NVIDIA sm_90 GPU.
 
-A module constant of ``portable_kernels/kernels/flash_attn_gluon.py`` that the forward's
+A module constant of ``backends/nvidia/gluon/flash_attn_gluon.py`` that the forward's
 launcher reads on every call (``PINGPONG``, ``STAGES``, ...) takes each of the given
 values in turn, round after round, so that the values are timed in alternation in one
 process and clock or thermal drift falls on all of them alike. SDPA's forward with the
@@ -30,7 +30,7 @@ import sys
 import torch
 import triton
 
-from portable_kernels.kernels import flash_attn_gluon as fg
+from portable_kernels_backends.nvidia.gluon import flash_attn_gluon as fg
 from portable_kernels.testing import assert_close, tolerance
 
 SHAPES = {1024: (4, 32), 2048: (4, 32), 4096: (4, 32), 16384: (1, 32)}

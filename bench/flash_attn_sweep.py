@@ -49,7 +49,7 @@ import triton
 
 from portable_kernels.kernels import _host
 from portable_kernels.kernels import flash_attn as fa
-from portable_kernels.kernels import flash_attn_gluon as fg
+from portable_kernels_backends.nvidia.gluon import flash_attn_gluon as fg
 from portable_kernels.launch import LaunchPlan
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -172,7 +172,8 @@ def run(kernel, tile, path, causal, q, k, v, do, out, lse, delta, base):
         return fa._forward(fwd_plan(base, tile, path), q, k, v, causal, scale)[0]
     if kernel == "bwd":
         fg.BWD_STAGES = stages
-        return fa._backward(bwd_plan(q, path), do, q, k, v, out, lse, causal, scale)
+        plan = bwd_plan(q, path)
+        return fa.stages(plan).backward(plan, do, q, k, v, out, lse, causal, scale)
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
         if kernel == "dkdv" and path == "gluon":
             dk, dv = torch.empty_like(k), torch.empty_like(v)

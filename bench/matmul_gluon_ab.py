@@ -1,7 +1,7 @@
 """Same-run A/B of settings of the sm_90 Gluon matmul (``matmul_gluon.py``) against cuBLAS.
 
 Each ``--set`` is a comma-separated list of module constants of
-``portable_kernels/kernels/matmul_gluon.py`` (``BLOCK_N=128,STAGES=5``; an empty one keeps
+``backends/nvidia/gluon/matmul_gluon.py`` (``BLOCK_N=128,STAGES=5``; an empty one keeps
 the module's values); every setting is applied in turn, round after round, and timed with
 ``torch.matmul`` (cuBLAS) in the same rounds, so that clock or thermal drift falls on all of
 them alike; ``--variant`` adds registered matmul variants (forced, autotuned on their
@@ -27,7 +27,7 @@ import sys
 import torch
 import triton
 
-from portable_kernels.kernels import matmul_gluon as mg
+from portable_kernels_backends.nvidia.gluon import matmul_gluon as mg
 from portable_kernels.testing import assert_close, tolerance
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

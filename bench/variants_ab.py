@@ -65,9 +65,11 @@ DEFAULT_VARIANTS = {"matmul": "nvidia.persistent_tma,generic",
 def override(assignment: str) -> None:
     target, value = assignment.split("=", 1)
     module_name, name = target.rsplit(".", 1)
-    module = importlib.import_module(f"portable_kernels.kernels.{module_name}")
+    package = ("portable_kernels_backends.nvidia.gluon" if module_name.endswith("_gluon")
+               else "portable_kernels.kernels")
+    module = importlib.import_module(f"{package}.{module_name}")
     if not hasattr(module, name):
-        raise SystemExit(f"--set: portable_kernels.kernels.{module_name} has no {name}")
+        raise SystemExit(f"--set: {package}.{module_name} has no {name}")
     setattr(module, name, ast.literal_eval(value))
 
 

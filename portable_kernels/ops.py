@@ -533,7 +533,8 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     log-sum-exp of the scaled scores (B, H, Nq) that ``flash_attn_backward`` needs."""
     plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale)  # validates the inputs
     with _on(q.device):
-        return _family("flash_attn")._forward(plan, q, k, v, bool(causal), _scale(q, sm_scale))
+        return _family("flash_attn").stages(plan).forward(plan, q, k, v, bool(causal),
+                                                          _scale(q, sm_scale))
 
 
 @flash_attn_forward.register_fake
@@ -549,7 +550,7 @@ def flash_attn_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     """``(dq, dk, dv)`` in the inputs' dtypes; dk and dv summed over each GQA group."""
     plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale)
     with _on(q.device):
-        return _family("flash_attn")._backward(
+        return _family("flash_attn").stages(plan).backward(
             plan, grad, q, k, v, out, lse, bool(causal), _scale(q, sm_scale))
 
 

@@ -105,8 +105,8 @@ def test_variants_ab_exits_with_the_reason_without_a_gpu():
 def test_variants_ab_overrides_module_constants(monkeypatch):
     """``--set MODULE.NAME=VALUE`` sets a kernels module's constant to a Python literal,
     and names what does not exist."""
-    from portable_kernels.kernels import flash_attn_gluon as fg
-    from portable_kernels.kernels import matmul_gluon as mg
+    from portable_kernels_backends.nvidia.gluon import flash_attn_gluon as fg
+    from portable_kernels_backends.nvidia.gluon import matmul_gluon as mg
     ab = _load("variants_ab")
     monkeypatch.setattr(mg, "MIN_TILES", mg.MIN_TILES)
     monkeypatch.setattr(fg, "MIN_KEYS", fg.MIN_KEYS)
