@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device-tool call on the GPU machine: install, run the test suite compiled, run the
-# benchmarks, and leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
-#   bash bench/gpu_session.sh [tests|large|serial|bench|all|memcheck] [extra pytest args...]
+# One run on a GPU machine: install, run the test suite compiled, run the benchmarks, and
+# leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
+#   bash bench/gpu_run.sh [tests|large|serial|bench|all|memcheck] [extra pytest args...]
 # tests: the suite without the large-tensor tests, in 8 pytest-xdist workers (about 3 minutes
 #   on the H200); large: tests/test_large.py alone, one process (each test holds tens of GB);
 #   serial: the given test files (default: all) in one process, as a user's plain `pytest`
