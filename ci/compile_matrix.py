@@ -359,22 +359,65 @@ def flash_attn_cases(host, device, quick: bool):
                 d = min(256, row // torch.empty(0, dtype=dtype).element_size())
                 if tma and d not in fa.TMA_HEAD_DIMS:
                     continue
-                for causal in (False, True):
+                # The options' code: every option at once; in the quick form only through
+                # flash_attn_varlen's cases (the same kernels, VARLEN on), to keep CI short.
+                for causal in (False, True) + (() if quick else ("options",)):
                     name = (f"{_label(cfg, ('BLOCK_M', 'BLOCK_N'))} {_short(dtype)} D={d} "
-                            f"{'causal' if causal else 'full'}")
+                            f"{causal if causal == 'options' else 'causal' if causal else 'full'}")
                     # Long enough for the backward's descriptor path (BWD_TMA_MIN_SEQ).
                     n = max(256, cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0))
                     q, k, v, do = (torch.empty(1, 2, n, d, dtype=dtype) for _ in range(4))
                     scale = 1.0 / math.sqrt(d)
+                    # Every option at once (the most code each kernel can hold).
+                    mods = fa.Mods(_ALL_OPTIONS(2), True) if causal == "options" else None
 
-                    def launch(plan=plan, q=q, k=k, v=v, do=do, causal=causal, scale=scale):
-                        out, lse = fa._forward(plan, q, k, v, causal, scale)
-                        fa._backward(plan, do, q, k, v, out, lse, causal, scale)
+                    def launch(plan=plan, q=q, k=k, v=v, do=do, causal=bool(causal), scale=scale,
+                               mods=mods):
+                        out, lse = fa._forward(plan, q, k, v, causal, scale, mods)
+                        fa._backward(plan, do, q, k, v, out, lse, causal, scale, mods)
 
                     yield variant, name, launch
     gluon = [n for n in names if n == "nvidia.hopper_gluon"]
     if gluon:
         yield from _flash_attn_gluon_cases(dtypes, gluon[0])
+
+
+def _ALL_OPTIONS(heads: int):
+    """flash_attn's options, every one set: causal with a window, softcap, ALiBi, sinks."""
+    from portable_kernels.kernels import _attn_mods
+
+    return _attn_mods.check_options(
+        "compile_matrix", causal=True, window_size=(64, 0), softcap=30.0,
+        alibi_slopes=torch.ones(heads), sinks=torch.zeros(heads), batch=1, heads=heads,
+        device=torch.device("cpu"))
+
+
+def flash_attn_varlen_cases(host, device, quick: bool):
+    """A packed batch (the kernels' VARLEN switch) with every option, per selectable
+    variant and row class (one config each in the quick form)."""
+    from portable_kernels.kernels import flash_attn as fa
+    from portable_kernels.kernels import flash_attn_varlen as fv
+
+    for variant in selectable(host, device, "flash_attn_varlen"):
+        plan_list = plans(host, device, "flash_attn_varlen", variant)
+        tma = bool(plan_list and plan_list[0].switches.get("TMA"))
+        for plan in _first_per_class(plan_list) if quick else plan_list:
+            cfg = plan.configs[0]
+            for dtype in _dtypes(device, quick):
+                d = min(256, cfg.kwargs.get("ROW_BYTES_MAX", 2048) // dtype.itemsize)
+                if tma and d not in fa.TMA_HEAD_DIMS:
+                    continue
+                n = max(256, cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0))
+                cu = torch.tensor([0, n // 2, n], dtype=torch.int32)
+                q, k, v, do = fv.views(*(torch.empty(n, 2, d, dtype=dtype) for _ in range(4)))
+                mods = fa.Mods(_ALL_OPTIONS(2), True, cu, cu, 2, n // 2, n // 2, n)
+                name = f"{_label(cfg, ('BLOCK_M', 'BLOCK_N'))} {_short(dtype)} D={d} options"
+
+                def launch(plan=plan, q=q, k=k, v=v, do=do, mods=mods, d=d):
+                    out, lse = fa._forward(plan, q, k, v, True, 1.0 / math.sqrt(d), mods)
+                    fa._backward(plan, do, q, k, v, out, lse, True, 1.0 / math.sqrt(d), mods)
+
+                yield variant, name, launch
 
 
 def _flash_attn_gluon_cases(dtypes, variant: str):
@@ -507,6 +550,7 @@ FAMILIES = {
     "matmul": matmul_cases,
     "grouped_matmul": grouped_matmul_cases,
     "flash_attn": flash_attn_cases,
+    "flash_attn_varlen": flash_attn_varlen_cases,
 }
 
 

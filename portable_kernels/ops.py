@@ -19,7 +19,9 @@ op                 signature                                             backwar
 ``geglu``          ``(gate, up=None) -> out``                            our bwd kernel
 ``matmul``         ``(a, b) -> out``                                     our matmul
 ``grouped_matmul`` ``(list_a, list_b) -> list_out``                      our grouped_matmul
-``flash_attn``     ``(q, k, v, causal=False, sm_scale=None) -> out``     our bwd kernels
+``flash_attn``     ``(q, k, v, causal=False, sm_scale=None, *options)``  our bwd kernels
+``flash_attn_var   ``(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,  our bwd kernels
+len``              max_seqlen_k, causal=False, sm_scale=None, *options)``
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -67,6 +69,7 @@ __all__ = [
     "asin",
     "dropout",
     "flash_attn",
+    "flash_attn_varlen",
     "grouped_matmul",
     "layer_norm",
     "matmul",
@@ -82,7 +85,7 @@ NAMESPACE = "portable_kernels"
 
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
-       "geglu", "matmul", "grouped_matmul", "flash_attn")
+       "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -520,75 +523,229 @@ def _grouped_matmul_backward(ctx, grads):
 grouped_matmul.register_autograd(_grouped_matmul_backward, setup_context=_grouped_matmul_setup)
 
 
-# --- flash_attn -----------------------------------------------------------------------------
+# --- flash_attn, flash_attn_varlen ----------------------------------------------------------
+# The options travel as schema types: the window as two ints, ALiBi slopes and sinks as
+# optional tensors. The backward ops also return the sinks' gradient (an empty tensor when
+# there are no sinks: an op's outputs cannot be optional).
 
 def _scale(q: Tensor, sm_scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
 
 
+def _no_sinks_grad(q: Tensor) -> Tensor:
+    return q.new_empty((0,), dtype=torch.float32)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::flash_attn_forward", mutates_args=())
 def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
-                       sm_scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                       sm_scale: Optional[float] = None, window_left: int = -1,
+                       window_right: int = -1, softcap: float = 0.0,
+                       alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                       align: str = "top_left") -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention output (B, H, Nq, D) in q's dtype and the fp32 natural
     log-sum-exp of the scaled scores (B, H, Nq) that ``flash_attn_backward`` needs."""
-    plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale)  # validates the inputs
+    window = (window_left, window_right)
+    plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale, window_size=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                      align=align)  # validates the inputs
+    family = _family("flash_attn")
+    mods = family.dense_mods(q, causal, window, softcap, alibi_slopes, sinks, align)
     with _on(q.device):
-        return _family("flash_attn").stages(plan).forward(plan, q, k, v, bool(causal),
-                                                          _scale(q, sm_scale))
+        # The variant's own stages where it has them (flash_attn.launcher), else the family's.
+        return family.stages(plan).forward(plan, q, k, v, bool(causal), _scale(q, sm_scale), mods)
 
 
 @flash_attn_forward.register_fake
-def _(q, k, v, causal=False, sm_scale=None):
+def _(q, k, v, causal=False, sm_scale=None, window_left=-1, window_right=-1, softcap=0.0,
+      alibi_slopes=None, sinks=None, align="top_left"):
     b, h, n_q, d = q.shape
     return q.new_empty((b, h, n_q, d)), q.new_empty((b, h, n_q), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::flash_attn_backward", mutates_args=())
 def flash_attn_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                        lse: Tensor, causal: bool = False,
-                        sm_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the inputs' dtypes; dk and dv summed over each GQA group."""
-    plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale)
+                        lse: Tensor, causal: bool = False, sm_scale: Optional[float] = None,
+                        window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                        align: str = "top_left") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)`` in the inputs' dtypes; dk and dv summed over each GQA
+    group; ``dsinks`` (H,), or empty without sinks."""
+    window = (window_left, window_right)
+    plan = _handle("flash_attn").plan(q, k, v, causal, sm_scale, window_size=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                      align=align)
+    family = _family("flash_attn")
+    mods = family.dense_mods(q, causal, window, softcap, alibi_slopes, sinks, align)
     with _on(q.device):
-        return _family("flash_attn").stages(plan).backward(
-            plan, grad, q, k, v, out, lse, bool(causal), _scale(q, sm_scale))
+        dq, dk, dv, delta = family.stages(plan).backward(
+            plan, grad, q, k, v, out, lse, bool(causal), _scale(q, sm_scale), mods,
+            return_delta=True)
+    dsinks = _no_sinks_grad(q) if sinks is None else family.sinks_grad(sinks, lse, delta)
+    return dq, dk, dv, dsinks
 
 
 @flash_attn_backward.register_fake
-def _(grad, q, k, v, out, lse, causal=False, sm_scale=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(grad, q, k, v, out, lse, causal=False, sm_scale=None, window_left=-1, window_right=-1,
+      softcap=0.0, alibi_slopes=None, sinks=None, align="top_left"):
+    dsinks = _no_sinks_grad(q) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _flash_attn_setup(ctx, inputs, output):
-    q, k, v, causal, sm_scale = inputs
+    q, k, v, *options = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.causal, ctx.sm_scale = causal, sm_scale
+    ctx.options = options
     ctx.save_for_backward(q, k, v, out, lse)
 
 
 def _flash_attn_backward(ctx, grad, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_backward(grad, q, k, v, out, lse, ctx.causal, ctx.sm_scale)
-    return dq, dk, dv, None, None
+    causal, sm_scale, left, right, softcap, alibi, sinks, align = ctx.options
+    dq, dk, dv, dsinks = flash_attn_backward(grad, q, k, v, out, lse, causal, sm_scale, left,
+                                             right, softcap, alibi, sinks, align)
+    return dq, dk, dv, None, None, None, None, None, None, (None if sinks is None else dsinks), None
 
 
 flash_attn_forward.register_autograd(_flash_attn_backward, setup_context=_flash_attn_setup)
 
-_LIB.define("flash_attn(Tensor q, Tensor k, Tensor v, bool causal=False, "
-            "float? sm_scale=None) -> Tensor")
+_LIB.define("flash_attn(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, "
+            "int[2] window_size=[-1, -1], float softcap=0.0, Tensor? alibi_slopes=None, "
+            "Tensor? sinks=None, str align='top_left') -> Tensor")
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
-               sm_scale: Optional[float] = None) -> Tensor:
+               sm_scale: Optional[float] = None, window_size=(-1, -1), softcap: float = 0.0,
+               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+               align: str = "top_left", return_lse: bool = False):
     """Attention of ``q`` (B, H, Nq, D) over ``k``, ``v`` (B, H_kv, Nk, D), H % H_kv == 0
-    (GQA), D <= 256, fp16/bf16/fp32. ``causal`` is SDPA's ``is_causal`` (top-left aligned);
-    ``sm_scale`` defaults to 1/sqrt(D). Returns a new contiguous (B, H, Nq, D) tensor,
-    differentiable in q, k and v."""
-    return torch.ops.portable_kernels.flash_attn_forward(q, k, v, causal, sm_scale)[0]
+    (GQA), D <= 256, fp16/bf16/fp32. ``causal`` is SDPA's ``is_causal`` (top-left aligned;
+    ``align="bottom_right"`` aligns it to the end of the keys); ``sm_scale`` defaults to
+    1/sqrt(D); ``window_size``, ``softcap``, ``alibi_slopes`` (fp32 (H,) or (B, H)) and
+    ``sinks`` (H,) as FlashAttention's. Returns a new contiguous (B, H, Nq, D) tensor,
+    differentiable in q, k, v and sinks, and with ``return_lse`` also the fp32 (B, H, Nq)
+    log-sum-exp (not differentiable)."""
+    left, right = window_size
+    out, lse = torch.ops.portable_kernels.flash_attn_forward(
+        q, k, v, causal, sm_scale, left, right, softcap, alibi_slopes, sinks, align)
+    return (out, lse) if return_lse else out
 
 
 _LIB.impl("flash_attn", flash_attn, "CompositeImplicitAutograd")
+
+
+def _varlen_setup(varlen, q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window,
+                  softcap, alibi_slopes, sinks):
+    """(plan, mods, views of q, k, v) of a packed call (validated)."""
+    plan = _handle("flash_attn_varlen").plan(q, k, v, cu_q, cu_k, max_q, max_k, causal,
+                                             sm_scale, window, softcap, alibi_slopes, sinks)
+    mods = varlen.packed_mods(q, cu_q, cu_k, max_q, max_k, causal, window, softcap,
+                              alibi_slopes, sinks)
+    return plan, mods, varlen.views(q, k, v)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flash_attn_varlen_forward", mutates_args=())
+def flash_attn_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                              cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool = False, sm_scale: Optional[float] = None,
+                              window_left: int = -1, window_right: int = -1,
+                              softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                              sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a packed batch: out (total_q, H, D), lse fp32 (H, total_q)."""
+    varlen = _family("flash_attn_varlen")
+    plan, mods, (q4, k4, v4) = _varlen_setup(
+        varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        sm_scale, (window_left, window_right), softcap, alibi_slopes, sinks)
+    with _on(q.device):
+        out, lse = _family("flash_attn")._forward(plan, q4, k4, v4, bool(causal),
+                                                  _scale(q, sm_scale), mods)
+    return out[0].transpose(0, 1), lse
+
+
+@flash_attn_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+      sm_scale=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+      sinks=None):
+    total, h, d = q.shape
+    return q.new_empty((total, h, d)), q.new_empty((h, total), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flash_attn_varlen_backward", mutates_args=())
+def flash_attn_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                               lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                               sm_scale: Optional[float] = None, window_left: int = -1,
+                               window_right: int = -1, softcap: float = 0.0,
+                               alibi_slopes: Optional[Tensor] = None,
+                               sinks: Optional[Tensor] = None
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)`` of a packed batch, in the layouts of q, k, v (packed)."""
+    varlen = _family("flash_attn_varlen")
+    family = _family("flash_attn")
+    plan, mods, (q4, k4, v4) = _varlen_setup(
+        varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        sm_scale, (window_left, window_right), softcap, alibi_slopes, sinks)
+    out4, grad4 = varlen.views(out, grad)
+    with _on(q.device):
+        dq, dk, dv, delta = family._backward(plan, grad4, q4, k4, v4, out4, lse, bool(causal),
+                                             _scale(q, sm_scale), mods, return_delta=True)
+    dsinks = (_no_sinks_grad(q) if sinks is None
+              else family.sinks_grad(sinks, lse, delta, varlen=True))
+    return (*(t[0].transpose(0, 1) for t in (dq, dk, dv)), dsinks)
+
+
+@flash_attn_varlen_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      causal=False, sm_scale=None, window_left=-1, window_right=-1, softcap=0.0,
+      alibi_slopes=None, sinks=None):
+    dsinks = _no_sinks_grad(q) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _flash_attn_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.options = options
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+
+
+def _flash_attn_varlen_backward(ctx, grad, _grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, causal, sm_scale, left, right, softcap, alibi, sinks = ctx.options
+    dq, dk, dv, dsinks = flash_attn_varlen_backward(
+        grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, left, right,
+        softcap, alibi, sinks)
+    return (dq, dk, dv, *[None] * 10, None if sinks is None else dsinks)
+
+
+flash_attn_varlen_forward.register_autograd(_flash_attn_varlen_backward,
+                                            setup_context=_flash_attn_varlen_setup)
+
+_LIB.define("flash_attn_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+            "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal=False, "
+            "float? sm_scale=None, int[2] window_size=[-1, -1], float softcap=0.0, "
+            "Tensor? alibi_slopes=None, Tensor? sinks=None) -> Tensor")
+
+
+def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool = False, sm_scale: Optional[float] = None,
+                      window_size=(-1, -1), softcap: float = 0.0,
+                      alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                      return_lse: bool = False):
+    """FlashAttention's ``flash_attn_varlen_func``: q (total_q, H, D), k/v (total_k, H_kv, D),
+    ``cu_seqlens_*`` int32 (batch + 1,), causal aligned bottom-right per sequence; options
+    as :func:`flash_attn`'s. Returns (total_q, H, D), differentiable in q, k, v and sinks,
+    and with ``return_lse`` also the fp32 (H, total_q) log-sum-exp."""
+    left, right = window_size
+    out, lse = torch.ops.portable_kernels.flash_attn_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sm_scale,
+        left, right, softcap, alibi_slopes, sinks)
+    return (out, lse) if return_lse else out
+
+
+_LIB.impl("flash_attn_varlen", flash_attn_varlen, "CompositeImplicitAutograd")
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the

@@ -234,3 +234,37 @@ def test_varlen_matches_dense_on_equal_lengths():
                                                 cu, cu, n, n, causal=True)
     assert torch.allclose(packed.reshape(b, n, h, d), dense.transpose(1, 2), atol=1e-6)
     assert math.isfinite(packed.abs().max().item())
+
+
+# --- operators ---------------------------------------------------------------------------
+
+def test_ops_opcheck_and_compile_with_options():
+    """Both operators with every option pass opcheck (schemas, fakes, autograd) and trace
+    under torch.compile(fullgraph=True) to the eager results."""
+    from portable_kernels import ops
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 9, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 2, 11, 16, generator=gen).requires_grad_() for _ in range(2))
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    slopes = torch.rand(4, generator=gen)
+    torch.library.opcheck(torch.ops.portable_kernels.flash_attn_forward.default,
+                          (q, k, v, True, None, 5, 0, 2.0, slopes, sinks, "bottom_right"))
+    kw = dict(window_size=(5, 0), softcap=2.0, alibi_slopes=slopes, sinks=sinks,
+              align="bottom_right")
+    compiled = torch.compile(lambda *t: ops.flash_attn(*t, True, **kw), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), pk.get_kernel("flash_attn")(q, k, v, True, **kw))
+
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    q = torch.randn(8, 4, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(11, 2, 16, generator=gen).requires_grad_() for _ in range(2))
+    torch.library.opcheck(torch.ops.portable_kernels.flash_attn_varlen_forward.default,
+                          (q, k, v, cu_q, cu_k, 5, 5, True, None, 2, -1, 0.0, None, sinks))
+    packed = torch.compile(lambda *t: ops.flash_attn_varlen(*t, cu_q, cu_k, 5, 5, causal=True),
+                           fullgraph=True)
+    out = packed(q, k, v)
+    assert torch.equal(out, pk.get_kernel("flash_attn_varlen")(q, k, v, cu_q, cu_k, 5, 5,
+                                                                causal=True))
+    out.sum().backward()
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all())

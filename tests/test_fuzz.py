@@ -100,6 +100,7 @@ EXAMPLES = {
     "matmul": 20,
     "grouped_matmul": 14,
     "flash_attn": 14,
+    "flash_attn_varlen": 4,
 }
 
 
@@ -314,7 +315,7 @@ def leaves(*tensors):
 # --- every family has a fuzzer ---------------------------------------------------------------
 
 FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
-          "geglu", "matmul", "grouped_matmul", "flash_attn")
+          "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen")
 
 
 @pytest.mark.parametrize("family", pk.list_kernels())
@@ -989,6 +990,59 @@ def test_flash_attn(dtype, case):
             t = flash_attn_suite.tolerance_for(tol, f"d{name}", expect, inputs, [g]) \
                 if expect.numel() else tol
             check_output(got, expect, dtype, t, f"{what} d{name}", contiguous=False)
+
+
+# --- flash_attn_varlen ----------------------------------------------------------------------
+
+@st.composite
+def flash_attn_varlen_cases(draw):
+    """A packed batch of 1-3 sequences (empty and one-token ones among them), GQA, and
+    FlashAttention's options drawn independently."""
+    n = st.one_of(st.sampled_from([0, 1, 64, 65]), st.integers(0, 90))
+    batch = draw(st.integers(1, 3))
+    h_kv = draw(st.integers(1, 2))
+    return dict(lengths_q=[draw(n) for _ in range(batch)], lengths_k=[draw(n) for _ in range(batch)],
+                h=h_kv * draw(st.integers(1, 2)), h_kv=h_kv,
+                d=draw(st.one_of(st.sampled_from([64, 16]), st.integers(1, 128))),
+                causal=draw(st.booleans()),
+                window_size=draw(st.sampled_from([(-1, -1), (8, 0), (0, 5), (33, -1)])),
+                softcap=draw(st.sampled_from([0.0, 0.0, 2.5])), alibi=draw(st.booleans()),
+                sinks=draw(st.booleans()), api=draw(st.sampled_from(["handle", "ops"])),
+                seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("flash_attn_varlen")
+@given(case=flash_attn_varlen_cases())
+def test_flash_attn_varlen(dtype, case):
+    from portable_kernels.kernels import flash_attn_varlen
+    gen = _gen(case["seed"])
+    lq, lk, h, h_kv, d = (case[k] for k in ("lengths_q", "lengths_k", "h", "h_kv", "d"))
+    q = make((sum(lq), h, d), dtype, ("contiguous", None), gen)
+    k = make((sum(lk), h_kv, d), dtype, ("contiguous", None), gen)
+    v = make((sum(lk), h_kv, d), dtype, ("contiguous", None), gen)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device=DEVICE) for n in (lq, lk))
+    kwargs = dict(causal=case["causal"], window_size=case["window_size"],
+                  softcap=case["softcap"],
+                  alibi_slopes=torch.rand(h, generator=gen).to(DEVICE) if case["alibi"] else None,
+                  sinks=torch.randn(h, generator=gen).to(DEVICE) if case["sinks"] else None)
+    args = (cu_q, cu_k, max(lq), max(lk))
+    (ql, kl, vl), (q64, k64, v64) = leaves(q, k, v)
+    ref = flash_attn_varlen.reference(q64, k64, v64, *args, **kwargs)
+    g = make(ref.shape, dtype, ("contiguous", None), gen)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), g.cpu().double())
+    tol = tolerance(dtype, "attention")
+    for variant in runnable_variants("flash_attn_varlen", q, k, v, *args, **kwargs):
+        what = f"flash_attn_varlen[{variant}]"
+        with forced("flash_attn_varlen", variant):
+            out = call("flash_attn_varlen", case["api"], ql, kl, vl, *args, **kwargs)
+            check_output(out, ref, dtype, tol, what)
+            grads = torch.autograd.grad(out, (ql, kl, vl), g)
+        for name, got, expect in zip("qkv", grads, refs):
+            scale = max(1.0, float(expect.abs().max())) if expect.numel() else 1.0
+            check_output(got, expect, dtype, Tolerance(tol.atol * scale, tol.rtol),
+                         f"{what} d{name}", contiguous=False)
 
 
 # --- defects the fuzzing found: their minimal reproducers ------------------------------------

@@ -78,7 +78,20 @@ CASES = {
                                      _randn(g, d, 1, 2, 11, 16, requires_grad=rg),
                                      _randn(g, d, 1, 2, 11, 16, requires_grad=rg), True, None),
                    _sdpa, "attention"),
+    # A packed batch: sequences of 3 and 0 queries over 4 and 2 keys (causal: bottom-right).
+    "flash_attn_varlen": (lambda g, d, rg: (_randn(g, d, 3, 4, 16, requires_grad=rg),
+                                            _randn(g, d, 6, 2, 16, requires_grad=rg),
+                                            _randn(g, d, 6, 2, 16, requires_grad=rg),
+                                            torch.tensor([0, 3, 3], dtype=torch.int32, device=d),
+                                            torch.tensor([0, 4, 6], dtype=torch.int32, device=d),
+                                            3, 4, True),
+                          lambda *a: _varlen_reference(*a), "attention"),
 }
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    from portable_kernels.kernels import flash_attn_varlen
+    return flash_attn_varlen.reference(q, k, v, cu_q, cu_k, causal=causal)
 
 
 def _double(value):

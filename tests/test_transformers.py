@@ -1,6 +1,8 @@
 """attn_implementation="portable_kernels" in a tiny, randomly initialised Llama (no download):
-the same logits and gradients as "sdpa", prefill and KV-cache decoding on the kernel, GQA
-passed as is, masks falling back to SDPA with a logged reason, and a fullgraph trace."""
+the same logits and gradients as "sdpa", prefill and KV-cache decoding on flash_attn, padded
+batches on flash_attn_varlen, greedy generation with the same tokens, GQA passed as is,
+what the kernels cannot take falling back to SDPA with a logged reason, and a fullgraph
+trace."""
 from __future__ import annotations
 
 import logging
@@ -36,15 +38,21 @@ def model():
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """(q shape, k shape, causal) of every call that reached ops.flash_attn."""
+    """(q shape, k shape, causal) of every call that reached ops.flash_attn, and
+    ("varlen", total q, total k, causal) of every ops.flash_attn_varlen call."""
     calls = []
-    real = ops.flash_attn
+    real, real_varlen = ops.flash_attn, ops.flash_attn_varlen
 
-    def recording(q, k, v, causal=False, sm_scale=None):
+    def recording(q, k, v, causal=False, sm_scale=None, **options):
         calls.append((tuple(q.shape), tuple(k.shape), causal))
-        return real(q, k, v, causal, sm_scale)
+        return real(q, k, v, causal, sm_scale, **options)
+
+    def recording_varlen(q, k, v, *args, **options):
+        calls.append(("varlen", q.shape[0], k.shape[0], args[4] if len(args) > 4 else None))
+        return real_varlen(q, k, v, *args, **options)
 
     monkeypatch.setattr(ops, "flash_attn", recording)
+    monkeypatch.setattr(ops, "flash_attn_varlen", recording_varlen)
     return calls
 
 
@@ -81,9 +89,9 @@ def test_decoding_with_kv_cache_matches_sdpa(model, gen, device, kernel_calls):
             logits[impl] = (prefill, step1, step2)
     for out, ref in zip(logits[pk_hf.NAME], logits["sdpa"]):
         assert_close(out, ref, TOL, "logits")
-    # Decoding: one query over every cached key (Nq != Nk), not causal.
-    assert ((2, 4, 1, 16), (2, 2, SEQ - 1, 16), False) in kernel_calls
-    assert ((2, 4, 1, 16), (2, 2, SEQ, 16), False) in kernel_calls
+    # Decoding: one query over every cached key (Nq != Nk): causal, aligned bottom-right.
+    assert ((2, 4, 1, 16), (2, 2, SEQ - 1, 16), True) in kernel_calls
+    assert ((2, 4, 1, 16), (2, 2, SEQ, 16), True) in kernel_calls
 
 
 def test_gradients_match_sdpa(model, gen, device):
@@ -103,32 +111,97 @@ def test_gradients_match_sdpa(model, gen, device):
         assert_close(grads[pk_hf.NAME][name], ref, GRAD_TOL, name)
 
 
-def test_padding_mask_falls_back_to_sdpa_with_a_logged_reason(model, gen, device, caplog,
-                                                               kernel_calls):
+def _padded_ids(gen, device):
     ids = _ids(gen, device)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding in the first sequence
-    pk_hf._warned.clear()
+    mask[1, -3:] = 0  # right padding in the second
+    return ids, mask
+
+
+def test_padded_batch_runs_packed_and_matches_sdpa(model, gen, device, kernel_calls):
+    ids, mask = _padded_ids(gen, device)
     with torch.no_grad():
         ref = _logits(model, "sdpa", ids, attention_mask=mask, use_cache=False)
-        with caplog.at_level(logging.WARNING, logger=pk_hf.__name__):
-            out = _logits(model, pk_hf.NAME, ids, attention_mask=mask, use_cache=False)
-    assert_close(out, ref, TOL, "logits")
-    assert kernel_calls == []
+        out = _logits(model, pk_hf.NAME, ids, attention_mask=mask, use_cache=False)
+    valid = mask.bool()
+    assert_close(out[valid], ref[valid], TOL, "logits of the valid tokens")
+    # Both layers: the 24 valid tokens of the 32, packed, causal.
+    assert kernel_calls == [("varlen", 24, 24, True)] * 2
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_greedy_generation_matches_sdpa(model, gen, device, kernel_calls):
+    """generate() with a KV cache: the same tokens as SDPA, with left padding (packed
+    prefill and decode steps) and without (flash_attn throughout)."""
+    ids = _ids(gen, device, seq=7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    for attention_mask in (None, mask):
+        tokens = {}
+        for impl in ("sdpa", pk_hf.NAME):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                tokens[impl] = model.generate(ids, attention_mask=attention_mask,
+                                              max_new_tokens=6, do_sample=False,
+                                              pad_token_id=0)
+        assert torch.equal(tokens[pk_hf.NAME], tokens["sdpa"])
+    assert any(c[0] == "varlen" for c in kernel_calls)
+    assert ((2, 4, 1, 16), (2, 2, 8, 16), True) in kernel_calls  # a decode step, unpadded
+
+
+def test_unsupported_calls_fall_back_to_sdpa_with_a_logged_reason(gen, device, caplog):
+    """Attention dropout: SDPA's implementation runs, with the padding mask rebuilt as
+    SDPA's 4-D one, once-per-reason logging."""
+    q = torch.randn(2, 4, 6, 16, generator=gen).to(device)
+    kv = torch.randn(2, 2, 6, 16, generator=gen).to(device)
+    mask = torch.ones(2, 6, dtype=torch.bool, device=device)
+    mask[0, :2] = False
+    pk_hf.register()
+    pk_hf._warned.clear()
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 2
+    module.training = False
+    with caplog.at_level(logging.WARNING, logger=pk_hf.__name__):
+        for _ in range(2):
+            out, _ = pk_hf.attention_forward(module, q, kv, kv, mask, position_bias=torch.ones(1))
     warnings = [r for r in caplog.records if r.name == pk_hf.__name__]
     assert len(warnings) == 1, "one warning per reason, not one per layer"
-    assert "falls back" in warnings[0].getMessage() and "mask" in warnings[0].getMessage()
+    assert "falls back" in warnings[0].getMessage() and "position bias" in warnings[0].getMessage()
+    ours, _ = pk_hf.attention_forward(module, q, kv, kv, mask)
+    valid = mask[:, :, None, None].expand(2, 6, 4, 16)
+    assert_close(out[valid], ours[valid], TOL, "SDPA fallback vs packed kernel")
 
 
 def test_fallback_reasons():
     q = torch.empty(1, 4, 3, 16)
     kv = torch.empty(1, 2, 5, 16)
     assert pk_hf.fallback_reason(None, q, kv, kv, None) is None
+    assert pk_hf.fallback_reason(None, q, kv, kv, None, softcap=30.0) is None
+    assert pk_hf.fallback_reason(None, q, kv, kv, torch.ones(1, 5, dtype=torch.bool)) is None
+    assert "4-D" in pk_hf.fallback_reason(None, q, kv, kv, torch.ones(1, 1, 3, 5, dtype=torch.bool))
     assert "dropout" in pk_hf.fallback_reason(None, q, kv, kv, None, dropout=0.1)
-    assert "soft-capping" in pk_hf.fallback_reason(None, q, kv, kv, None, softcap=30.0)
+    assert "position bias" in pk_hf.fallback_reason(None, q, kv, kv, None, position_bias=q)
     assert "head dims" in pk_hf.fallback_reason(None, q, kv, torch.empty(1, 2, 5, 8), None)
     assert "dtypes" in pk_hf.fallback_reason(None, q.double(), kv.double(), kv.double(), None)
     assert "multiple" in pk_hf.fallback_reason(None, torch.empty(1, 3, 3, 16), kv, kv, None)
+
+
+def test_sliding_window_softcap_and_sinks_match_the_reference(gen, device):
+    """Options transformers passes (Mistral's sliding_window, Gemma 2's softcap, gpt-oss's
+    s_aux) reach the kernel with FlashAttention-2's meaning."""
+    from portable_kernels.kernels import _attn_mods
+    q = torch.randn(1, 4, 9, 16, generator=gen).to(device)
+    kv = torch.randn(1, 2, 9, 16, generator=gen).to(device)
+    sinks = torch.randn(4, generator=gen).to(device)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = pk_hf.attention_forward(module, q, kv, kv, None, sliding_window=4, softcap=5.0,
+                                     s_aux=sinks)
+    ref, _ = _attn_mods.reference(q, kv, kv, causal=True, window_size=(3, 3), softcap=5.0,
+                                  sinks=sinks)
+    assert_close(out, ref.transpose(1, 2), TOL, "options")
 
 
 def test_torch_compile_fullgraph_traces_the_model(model, gen, device):

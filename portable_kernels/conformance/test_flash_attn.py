@@ -1,5 +1,7 @@
-"""Conformance of ``flash_attn(q, k, v, causal, sm_scale)``: every variant, dtype and shape
-below, forward and backward (dq, dk, dv), against torch SDPA in float64.
+"""Conformance of ``flash_attn(q, k, v, causal, sm_scale, ...)``: every variant, dtype and
+shape below, forward and backward (dq, dk, dv), against the float64 reference, with
+FlashAttention's options (bottom-right alignment, window, softcap, ALiBi, sinks) alone and
+combined.
 
 Shapes are small and odd (tails in Nq, Nk and D; GQA and MQA; causal with Nq < Nk and
 Nq > Nk; (B, N, H, D) storage viewed as (B, H, N, D)), because Triton's CPU interpreter
@@ -30,7 +32,22 @@ def make_inputs(shape, dtype, device, gen) -> Inputs:
     q = _qkv(b, h, n_q, d, dtype, device, gen, layout)
     k = _qkv(b, h_kv, n_k, d, dtype, device, gen, layout)
     v = _qkv(b, h_kv, n_k, d, dtype, device, gen, layout)
-    return Inputs((q, k, v), {"causal": shape.get("causal", False), "sm_scale": shape.get("sm_scale")})
+    kwargs = {"causal": shape.get("causal", False), "sm_scale": shape.get("sm_scale")}
+    kwargs.update(options(shape, b, h, device, gen))
+    return Inputs((q, k, v), kwargs)
+
+
+def options(shape, b, h, device, gen) -> dict:
+    """FlashAttention's options a shape names: ``align``, ``window_size``, ``softcap``,
+    ``alibi`` ("H" or "BH": random fp32 slopes of that shape), ``sinks`` (random (H,))."""
+    kw = {name: shape.get(name) for name in ("align", "window_size", "softcap")
+          if shape.get(name) is not None}
+    if shape.get("alibi"):
+        size = (h,) if shape["alibi"] == "H" else (b, h)
+        kw["alibi_slopes"] = place(torch.rand(size, generator=gen), device)
+    if shape.get("sinks"):
+        kw["sinks"] = place(torch.randn(h, generator=gen), device)
+    return kw
 
 
 def tolerance_for(tol: Tolerance, name: str, ref, inputs: Inputs, grad_outs) -> Tolerance:
@@ -70,6 +87,17 @@ SUITE = KernelSuite(
         # Nk >= 4096 at D = 64: nvidia.hopper_gluon with three consumer warpgroups
         # (D64_CONSUMERS); few queries keep it cheap on the interpreter.
         Shape("keys_4096_gqa_d64", dims=(1, 2, 1, 64, 4096, 64), dtypes=LOW),
+        # FlashAttention's options, alone and together (Nq != Nk, GQA, tails).
+        Shape("bottom_right_causal", dims=(1, 2, 1, 90, 40, 64), causal=True,
+              align="bottom_right", quick=True),                                  # rows see nothing
+        Shape("window", dims=(1, 2, 2, 70, 150, 64), window_size=(20, 7)),
+        Shape("window_causal_br", dims=(2, 2, 1, 40, 150, 64), causal=True, window_size=(33, -1),
+              align="bottom_right", quick=True),
+        Shape("softcap", dims=(1, 2, 1, 50, 90, 64), softcap=1.5),
+        Shape("alibi", dims=(2, 4, 2, 50, 70, 64), causal=True, alibi="BH"),
+        Shape("sinks", dims=(1, 4, 1, 60, 80, 64), sinks=True),
+        Shape("all_options", dims=(2, 4, 2, 50, 90, 64), causal=True, align="bottom_right",
+              window_size=(24, 0), softcap=3.0, alibi="H", sinks=True, quick=True),
     ),
 )
 

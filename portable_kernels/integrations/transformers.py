@@ -1,27 +1,33 @@
-"""Hugging Face ``transformers`` models with attention through the ``flash_attn`` kernel.
+"""Hugging Face ``transformers`` models with attention through our attention kernels.
 
     import portable_kernels.integrations.transformers as pk_hf
     pk_hf.register()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="portable_kernels")
 
 :func:`register` adds an attention implementation named ``"portable_kernels"`` to
-``transformers.AttentionInterface`` and, for the same name, SDPA's mask builder to
-``AttentionMaskInterface``. The mask builder matters: for a name with no mask builder,
-transformers passes no mask at all, and padding would silently be ignored. With SDPA's, a
-model hands the attention function exactly what it hands SDPA: ``None`` when a causal (or
-no) mask says everything (prefill without padding, one-token decoding), else a boolean
-(B, 1, Nq, Nk) mask.
+``transformers.AttentionInterface`` and, for the same name, FlashAttention's mask builder to
+``AttentionMaskInterface``: a model then hands the attention function what it hands
+FlashAttention-2, ``None`` when no token is padding, else the 2-D (B, Nk) padding mask (the
+window of a sliding-window layer comes as ``sliding_window``, softcaps as ``softcap``, sinks
+as ``s_aux``).
 
-What runs on the kernel (``portable_kernels.ops.flash_attn``, a custom op, so
-``torch.compile(fullgraph=True)`` traces it): no mask, causal or not, any Nq and Nk (decoding
-one token over a KV cache is non-causal attention over every cached key, as SDPA does it),
-grouped-query attention with H_kv < H passed as is (no ``repeat_kv``).
+What runs on our kernels (``portable_kernels.ops``, custom ops, so
+``torch.compile(fullgraph=True)`` traces the unpadded path):
 
-What falls back to transformers' own SDPA implementation, with the reason logged once per
-reason at WARNING on this module's logger (``portable_kernels.integrations.transformers``):
-an explicit mask (padding, chunked prefill over a cache, sliding windows past the window),
-attention dropout in training, soft-capping, position biases, attention sinks, head dims
-that differ between q/k/v or exceed 256, dtypes other than fp16/bf16/fp32.
+- no padding: ``flash_attn`` with causal masking aligned bottom-right, as FlashAttention
+  aligns it: prefill, chunked prefill over a cache, and decoding (one query over every
+  cached key) alike; grouped-query attention with H_kv < H passed as is (no ``repeat_kv``);
+- padding: the batch is unpadded (the valid keys of each sequence, and its valid queries
+  among the last Nq positions) and runs through ``flash_attn_varlen``, as FlashAttention-2's
+  integration does; padded query positions get zeros. (Finding the valid tokens reads the
+  mask on the host: one sync per layer call, as FlashAttention-2's path has.)
+- sliding windows, logit softcaps and attention sinks, as options of those kernels.
+
+What falls back to transformers' own SDPA implementation (with the mask rebuilt as SDPA's),
+with the reason logged once per reason at WARNING on this module's logger
+(``portable_kernels.integrations.transformers``): attention dropout in training, additive
+position biases, head dims that differ between q/k/v or exceed 256, dtypes other than
+fp16/bf16/fp32.
 
 ``transformers`` is an optional dependency: ``pip install 'portable-kernels[transformers]'``.
 This module imports it only inside :func:`register` and the fallback.
@@ -43,12 +49,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
-# kwargs some models pass that change the attention itself; the kernel has none of them.
+# kwargs some models pass that change the attention itself; the kernels have none of them.
 _UNSUPPORTED_KWARGS = {
-    "softcap": "logit soft-capping",
     "position_bias": "an additive position bias",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
 }
 # Reasons already logged at WARNING (each is then logged at DEBUG only): a model calls
 # attention once per layer per step, and one line per reason says enough.
@@ -62,9 +65,9 @@ def fallback_reason(module: torch.nn.Module | None, query: torch.Tensor, key: to
 
     ``query`` (B, H, Nq, D), ``key``/``value`` (B, H_kv, Nk, D), as transformers passes them.
     """
-    if attention_mask is not None:
-        return ("an explicit attention mask (padding, a chunk over a KV cache, or a sliding "
-                "window) was given; flash_attn takes only causal or no masking")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return (f"a {attention_mask.dim()}-D attention mask was given; the kernels take "
+                "FlashAttention's 2-D padding mask (register() sets its mask builder)")
     if dropout:
         return f"attention dropout p={dropout} (flash_attn has no dropout)"
     for name, what in _UNSUPPORTED_KWARGS.items():
@@ -111,36 +114,106 @@ def _log_fallback(reason: str) -> None:
                        "implementation: %s", reason)
 
 
+def _window(sliding_window: int | None, n_k: int) -> tuple[int, int]:
+    """transformers' ``sliding_window`` (tokens seen, the current one included) as
+    FlashAttention's inclusive ``window_size``, as its FlashAttention-2 path converts it."""
+    if sliding_window is None or n_k <= sliding_window:
+        return (-1, -1)
+    return (sliding_window - 1, sliding_window - 1)
+
+
+def _sdpa_mask(mask: torch.Tensor | None, n_q: int, n_k: int, causal: bool,
+               window: tuple[int, int]) -> torch.Tensor | None:
+    """The (B, 1, Nq, Nk) boolean mask SDPA needs for what our kernels would have computed
+    from a padding mask (or none): bottom-right causal, the window, the valid keys. Rows
+    of padded queries (nothing visible) see every key instead: their outputs are ignored,
+    and SDPA returns NaN for a row with no key."""
+    if mask is None and n_q == n_k and window == (-1, -1):
+        return None  # SDPA's is_causal (top-left) is bottom-right when Nq == Nk
+    device = mask.device if mask is not None else None
+    rel = (torch.arange(n_k, device=device)[None, :] - torch.arange(n_q, device=device)[:, None]
+           - (n_k - n_q))
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        right = 0
+    if left >= 0:
+        allowed &= rel >= -left
+    if right >= 0:
+        allowed &= rel <= right
+    allowed = allowed[None, None]
+    if mask is not None:
+        allowed = allowed & mask.bool()[:, None, None, :]
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
+def _packed(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a (B, H, N, D) tensor's (B·N, H, D) token view."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b * n, h, d)[index]
+
+
+def _cu_seqlens(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(token indices, int32 cu_seqlens, longest length) of a (B, N) validity mask."""
+    lengths = valid.sum(1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return valid.flatten().nonzero().squeeze(1), cu, int(lengths.max()) if lengths.numel() else 0
+
+
+def _unpadded(query, key, value, mask, causal, scaling, options) -> torch.Tensor:
+    """Attention of a padded batch through ``flash_attn_varlen``: (B, Nq, H, D), zeros at
+    padded query positions."""
+    b, h, n_q, d = query.shape
+    valid_k = mask.bool()
+    if valid_k.shape[1] < key.shape[2]:
+        # A static cache longer than the tokens seen: its first slots are the filled ones.
+        key, value = key[:, :, :valid_k.shape[1]], value[:, :, :valid_k.shape[1]]
+    valid_q = valid_k[:, -n_q:]
+    index_q, cu_q, max_q = _cu_seqlens(valid_q)
+    index_k, cu_k, max_k = _cu_seqlens(valid_k)
+    out = ops.flash_attn_varlen(_packed(query, index_q), _packed(key, index_k),
+                                _packed(value, index_k), cu_q, cu_k, max_q, max_k, causal,
+                                scaling, **options)
+    full = out.new_zeros((b * n_q, h, d)).index_copy(0, index_q, out)
+    return full.view(b, n_q, h, d)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract, on the ``flash_attn`` kernel.
+    """transformers' attention-function contract, on our attention kernels.
 
     ``query`` (B, H, Nq, D), ``key``/``value`` (B, H_kv, Nk, D) with H % H_kv == 0;
+    ``attention_mask`` None or a 2-D (B, Nk) padding mask (FlashAttention's mask builder);
     ``scaling`` defaults to 1/sqrt(D); ``is_causal`` (else ``module.is_causal``, else True)
-    applies when Nq > 1. Returns ``(out, None)`` with ``out`` (B, Nq, H, D) contiguous (the
-    layout transformers reshapes to hidden states) and no attention weights. Calls the
-    kernel cannot take go to transformers' SDPA implementation (see the module docstring).
+    aligned bottom-right; ``sliding_window``, ``softcap`` and ``s_aux`` (sinks) as
+    FlashAttention-2's integration takes them. Returns ``(out, None)`` with ``out``
+    (B, Nq, H, D) contiguous (the layout transformers reshapes to hidden states) and no
+    attention weights. Calls the kernels cannot take go to transformers' SDPA
+    implementation (see the module docstring).
     """
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal)
+    n_q, n_k = query.shape[2], key.shape[2]
+    window = _window(kwargs.pop("sliding_window", None), n_k)
     reason = fallback_reason(module, query, key, value, attention_mask, dropout, **kwargs)
     if reason is not None:
         _log_fallback(reason)
-        return _sdpa()(module, query, key, value, attention_mask, dropout=dropout,
-                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    n_q = query.shape[2]
-    # As SDPA's integration does: a single query sees every cached key (causal alignment at
-    # the bottom right), so decoding is non-causal; and check the shape first, so that under
-    # torch.compile with dynamic shapes this stays a plain bool.
-    causal = n_q > 1 and bool(is_causal)
-    if causal and key.shape[2] > n_q:
-        # No mask with more keys than queries only happens when prefilling an empty static
-        # cache (masking_utils drops the mask only then): the keys past Nq are empty slots
-        # that top-left causal masking would hide anyway, so drop them, as SDPA's path does.
-        key, value = key[:, :, :n_q], value[:, :, :n_q]
-    out = ops.flash_attn(query, key, value, causal, scaling)
+        mask = _sdpa_mask(attention_mask, n_q, n_k, causal, window)
+        return _sdpa()(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                       is_causal=causal and mask is None, **kwargs)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    options = dict(window_size=window, softcap=kwargs.get("softcap") or 0.0, sinks=sinks)
+    if attention_mask is not None and not torch.compiler.is_compiling() \
+            and bool(attention_mask.all()) and attention_mask.shape[1] <= n_k:
+        # A static cache with no padding: its filled slots come first.
+        key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
+        attention_mask = None
+    if attention_mask is not None:
+        return _unpadded(query, key, value, attention_mask, causal, scaling, options), None
+    out = ops.flash_attn(query, key, value, causal, scaling, align="bottom_right", **options)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -161,7 +234,8 @@ def register(name: str = NAME) -> str:
             "pip install 'portable-kernels[transformers]'") from exc
     AttentionInterface.register(name, attention_forward)
     _sdpa()  # resolve the fallback now, outside any torch.compile trace
-    # SDPA's masks mean what this function expects: None whenever causal (or no) masking
-    # says everything, so prefill and decoding reach the kernel.
-    AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping["sdpa"])
+    # FlashAttention's masks: None without padding (prefill and decoding reach the kernel
+    # as they are), else the 2-D padding mask that the packed path unpads with.
+    AttentionMaskInterface.register(
+        name, AttentionMaskInterface._global_mapping["flash_attention_2"])
     return name

@@ -27,6 +27,19 @@ commute with the max, scales the scores first.
 whatever Nq and Nk. Key 0 is visible to every row, so no row is empty; with ``Nk == 0``
 the output is zeros, as SDPA's math backend returns.
 
+FlashAttention's options (semantics in ``_attn_mods``) are per-call constexpr switches, so a
+call that sets none compiles to the kernel above: ``ALIGN_BR`` (the diagonal at ``Nk - Nq``,
+FlashAttention's bottom-right alignment), ``WINDOW`` (a sliding window; the key loop then
+runs in three stages, the blocks across the window's left edge masked too), ``SOFTCAP``,
+``ALIBI`` (both need the scores scaled before the max, so they turn ``RAW_MAX`` off),
+``SINKS`` (the running state starts as if the sink had been seen: max = its logit, sum = 1)
+and ``MAY_EMPTY`` (rows may see no key: the max subtracted in exp2 is then 0 and the output
+0, the LSE -inf). ``VARLEN`` is ``flash_attn_varlen``'s packed batch: each program reads its
+sequence's start and lengths from ``cu_seqlens`` and returns at once past its end; the
+LSE is then FlashAttention's (H, total_q). The backward kernels take the same switches
+(the softcap's derivative ``1 - (s / c)²`` is applied to dS; a sink's gradient,
+``-sum p_sink · delta``, is added up on the host).
+
 Constexpr switches (each variant sets them all; see ``SWITCHES``):
     UPCAST: convert loaded tiles to fp32 before the dots and keep P in fp32. The CPU
         backend sets it: the interpreter keeps bf16 as raw bits. Off on GPUs: fp16/bf16
@@ -1476,14 +1489,21 @@ def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     causal = bool(causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    mods = dense_mods(q, causal, window_size, softcap, alibi_slopes, sinks, align)
+    return run(plan, q, k, v, causal, scale, mods, return_lse)
+
+
+def dense_mods(q, causal: bool, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+               sinks=None, align: str = "top_left") -> Mods:
+    """The :class:`Mods` of a (B, H, N, D) call (checked: errors name the argument)."""
     options = _attn_mods.check_options(
         NAME, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, batch=q.shape[0], heads=q.shape[1],
         device=q.device)
     align_br = _align(align)
-    mods = Mods(options, align_br) if align_br or options is not _attn_mods.plain(causal) \
-        else _mods(causal)
-    return run(plan, q, k, v, causal, scale, mods, return_lse)
+    if align_br or options is not _attn_mods.plain(bool(causal)):
+        return Mods(options, align_br)
+    return _mods(bool(causal))
 
 
 def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool = False):
@@ -1598,10 +1618,9 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(q, k, v, causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, "
-        "alibi_slopes=None, sinks=None, align='top_left', return_lse=False) -> out", problem,
-        "attention, (B, H, N, D) layout, GQA, causal (top-left or bottom-right), sliding "
-        "window, softcap, ALiBi, sinks, any N and D up to 256, differentiable",
+        NAME, "(q, k, v, causal=False, sm_scale=None, **options) -> out", problem,
+        "attention, (B, H, N, D), GQA, causal, window, softcap, ALiBi, sinks, D <= 256; "
+        "differentiable",
         reference))
     registry.add_variant(variant(
         "generic",

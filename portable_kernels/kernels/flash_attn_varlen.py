@@ -102,7 +102,7 @@ def problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     if _host.check_values():
         _check_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
         _check_values(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k")
-    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    q4, k4, v4 = views(q, k, v)
     return flash_attn.Problem(device, dtype, d, bool(causal), h != h_kv,
                               flash_attn._descriptor_issue(d, q4, k4, v4),
                               flash_attn.key_class(max_seqlen_k),
@@ -125,17 +125,30 @@ def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     causal = bool(causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    batch = cu_seqlens_q.shape[0] - 1
-    options = _attn_mods.check_options(
-        NAME, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, batch=batch, heads=q.shape[1], device=q.device)
-    mods = flash_attn.Mods(options, True, cu_seqlens_q, cu_seqlens_k, batch, int(max_seqlen_q),
-                           int(max_seqlen_k), q.shape[0])
-    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    mods = packed_mods(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       window_size, softcap, alibi_slopes, sinks)
+    q4, k4, v4 = views(q, k, v)
     result = flash_attn.run(plan, q4, k4, v4, causal, scale, mods, return_lse)
     if return_lse:
         return result[0][0].transpose(0, 1), result[1]
     return result[0].transpose(0, 1)
+
+
+def packed_mods(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                sinks=None) -> flash_attn.Mods:
+    """``flash_attn``'s :class:`~flash_attn.Mods` of a packed call (options checked)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    options = _attn_mods.check_options(
+        NAME, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, batch=batch, heads=q.shape[1], device=q.device)
+    return flash_attn.Mods(options, True, cu_seqlens_q, cu_seqlens_k, batch, int(max_seqlen_q),
+                           int(max_seqlen_k), q.shape[0])
+
+
+def views(*packed: torch.Tensor) -> tuple:
+    """(total, H, D) tensors as the (1, H, total, D) views ``flash_attn``'s kernels take."""
+    return tuple(t.transpose(0, 1)[None] for t in packed)
 
 
 def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
@@ -143,7 +156,7 @@ def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
               alibi_slopes=None, sinks=None, return_lse=False):
     """Each sequence through ``_attn_mods.reference`` (bottom-right aligned), in float64:
     (total_q, H, D), and with ``return_lse`` the (H, total_q) LSE."""
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cq, ck = ([int(n) for n in cu.tolist()] for cu in (cu_seqlens_q, cu_seqlens_k))
     outs, lses = [], []
     for b in range(len(cq) - 1):
         qs, ks = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]]
@@ -187,11 +200,9 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, "
-        "sm_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, "
-        "return_lse=False) -> out", problem,
-        "attention over a packed batch (FlashAttention's varlen layout), bottom-right causal, "
-        "window, softcap, ALiBi, sinks; differentiable", reference, inputs, "LENGTHSxHxD"))
+        NAME, "(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, **options) -> out",
+        problem, "packed batch (FlashAttention's varlen layout), bottom-right causal, "
+        "options as flash_attn's; differentiable", reference, inputs, "LENGTHSxHxD"))
     registry.add_variant(variant(
         "generic",
         description="flash_attn's kernels with VARLEN: sequence bounds from cu_seqlens, "
