@@ -42,9 +42,10 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench/dispatch_overhead.py --json "$out/dispatch.json" 2>&1 | tee "$out/dispatch.txt"
   for b in bench/matmul.py bench/flash_attn.py bench/flash_attn_memory.py; do
     [[ -f $b ]] || continue
-    timeout 420 python3 "$b" --out "$out/$(basename "$b" .py)" >"$out/$(basename "$b" .py).txt" 2>&1
+    name=$(basename "$b" .py)
+    timeout 420 python3 "$b" --json "$out/$name.json" --plot "$out/$name-plots" >"$out/$name.txt" 2>&1
     summary+=("$b rc=$?")
-    tail -n 40 "$out/$(basename "$b" .py).txt"
+    tail -n 40 "$out/$name.txt"
   done
 fi
 printf '%s\n' "${summary[@]}"
