@@ -28,10 +28,11 @@ def _load(name: str):
     return module
 
 
-#: The maintained benchmarks: one per kind of work (the matmul families, attention and its
-#: memory, a model end to end) and the host's overheads; each shares _common's command line.
-KEPT = ["matmul", "grouped_matmul", "flash_attn", "flash_attn_memory", "transformers_model",
-        "host_per_call", "host_backward", "dispatch_overhead"]
+#: The maintained benchmarks: one per kind of work (elementwise and norm layers, the matmul
+#: families, attention and its memory, a model end to end) and the host's overheads; each
+#: shares _common's command line.
+KEPT = ["layers", "matmul", "grouped_matmul", "flash_attn", "flash_attn_memory",
+        "transformers_model", "host_per_call", "host_backward", "dispatch_overhead"]
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -98,6 +99,31 @@ def test_set_overrides_a_kernel_modules_constant(monkeypatch):
                          ("MIN_TILES", "expected MODULE.NAME=VALUE")):
         with pytest.raises(SystemExit, match=message):
             common.apply_settings([bad])
+
+
+def test_layers_bench_checks_ours_and_torchs_against_the_references(device):
+    """What bench/layers.py times, on small inputs here: ours and torch's operator pass the
+    family's float64 reference (a wrong torch counterpart would fail too), forward and
+    backward run, and the table and plots take the rows."""
+    bench = _load("layers")
+    for family in bench.FAMILIES:
+        args = bench.inputs(family, 4, 64, torch.float32, device)
+        out = bench.check(family, bench.ours(family), args)
+        bench.check(family, bench.torch_op(family), args)
+        leaves = [a.detach().requires_grad_() for a in args]
+        grads = torch.autograd.grad(bench.ours(family)(*leaves), leaves, torch.ones_like(out))
+        assert all(g.shape == a.shape for g, a in zip(grads, args))
+        assert bench.moved_bytes(args, out, True) > bench.moved_bytes(args, out, False) > 0
+    wrong = lambda x: torch.softmax(x, dim=0)  # noqa: E731
+    with pytest.raises(AssertionError, match="softmax"):
+        bench.check("softmax", wrong, bench.inputs("softmax", 4, 64, torch.float32, device))
+    row = {"family": "softmax", "tokens": 4, "hidden": 64, "dtype": "float16",
+           "gbps": {"ours fwd": 900.0, "torch fwd": 1000.0}}
+    table = bench.markdown([row], "header")
+    assert "| softmax | 4 | 64 | float16 | 900 | 1000 | 0.90 | - | - | - |" in table
+    (plot,) = bench.plot_benchmarks([row])
+    assert plot.x_vals == ["softmax 4x64"] and plot.plot_name == "layers-float16-fwd"
+    assert bench.measured([row])("softmax 4x64", "torch", "float16", "fwd") == 1000.0
 
 
 def test_flash_bench_rows_by_sequence_length():
