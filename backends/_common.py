@@ -93,9 +93,16 @@ def _asin(device) -> "list[triton.Config]":
 
 
 def _layer_norm(device) -> "list[triton.Config]":
-    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. 64
-    # partial rows spread the dweight/dbias lock over the SMs.
+    # Rows up to 8192 wide in one chunk; shorter rows share a 4096-element tile. Such rows
+    # take the backward's lock-free path (4 programs per SM, PROGRAMS_PER_SM's default);
+    # for longer ones, 64 partial rows spread the dweight/dbias lock over the SMs.
     return [triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=_warps(device, 8))]
+
+
+def _rope(device) -> "list[triton.Config]":
+    # Per pair two loads, two stores and a cos/sin gather (cached: shared by the heads of a
+    # token): 16 pairs per thread at 4 warps.
+    return [triton.Config({"TILE": 2048}, num_warps=_warps(device, 4))]
 
 
 #: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
@@ -109,4 +116,6 @@ MEMORY_BOUND = {
     # Gated activations: two loads and a store per element, as vector_add.
     ("swiglu", None): _vector_add,
     ("geglu", None): _vector_add,
+    ("rope", None): _rope,
+    ("add_rms_norm", None): _layer_norm,  # layer_norm's kernels with RMS and ADD on
 }

@@ -293,7 +293,8 @@ def memory_bound_cases(kernel: str):
     on a short and a long row (one pass and the chunked loop) where rows matter."""
     shapes = {"vector_add": ["4099"], "dropout": ["4099"], "asin": ["4099"],
               "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000"],
-              "rms_norm": ["8x1000", "8x20000"], "swiglu": ["8x5000"], "geglu": ["8x5000"]}[kernel]
+              "rms_norm": ["8x1000", "8x20000"], "swiglu": ["8x5000"], "geglu": ["8x5000"],
+              "rope": ["1x256x32x128"], "add_rms_norm": ["8x1000", "8x20000"]}[kernel]
 
     def cases(host, device, quick: bool):
         module = importlib.import_module(f"portable_kernels.kernels.{kernel}")
@@ -337,6 +338,23 @@ def _glu_both(module, plan, gate, up) -> None:
 
 
 NORMS.update(swiglu=_glu_both, geglu=_glu_both)
+
+
+def _rope_both(module, plan, q, k, cos, sin) -> None:
+    """The forward (half pairs, positions 0..S-1) and the backward (INVERSE), the latter
+    with positions and interleaved pairs: every switch compiled once."""
+    module._apply(plan, q, k, cos, sin, None, False)
+    positions = torch.zeros(q.shape[:2], dtype=torch.int32)
+    module._apply(plan, q, k, cos, sin, positions, True, inverse=True)
+
+
+def _add_rms_norm(module, plan, x, residual, weight) -> None:
+    out, summed, rstd = module._forward(plan, x, residual, weight, 1e-6, 0.0)
+    module._backward(plan, torch.empty_like(summed), torch.empty_like(summed), summed, weight,
+                     rstd, 0.0)
+
+
+NORMS.update(rope=_rope_both, add_rms_norm=_add_rms_norm)
 
 
 def flash_attn_cases(host, device, quick: bool):
@@ -551,6 +569,8 @@ FAMILIES = {
     "grouped_matmul": grouped_matmul_cases,
     "flash_attn": flash_attn_cases,
     "flash_attn_varlen": flash_attn_varlen_cases,
+    "rope": memory_bound_cases("rope"),
+    "add_rms_norm": memory_bound_cases("add_rms_norm"),
 }
 
 

@@ -25,6 +25,8 @@ FAMILIES = (
     "flash_attn_varlen",
     "matmul",
     "grouped_matmul",
+    "rope",
+    "add_rms_norm",
 )
 
 

@@ -22,6 +22,10 @@ op                 signature                                             backwar
 ``flash_attn``     ``(q, k, v, causal=False, sm_scale=None, *options)``  our bwd kernels
 ``flash_attn_var   ``(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,  our bwd kernels
 len``              max_seqlen_k, causal=False, sm_scale=None, *options)``
+``rope``           ``(q, k, cos, sin, positions=None, interleaved=False)  our rope kernel,
+                   -> (q_out, k_out)``                                   inverse rotation
+``add_rms_norm``   ``(x, residual, weight, eps=1e-6, offset=0.0)         our bwd kernels
+                   -> (out, new_residual)``
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -36,6 +40,7 @@ output (the per-row statistics; the log-sum-exp). A custom op's backward sees on
 inputs and outputs, so each is split in two custom ops that return those intermediates
 (``layer_norm_forward`` -> ``(out, mean, rstd)``, ``layer_norm_backward``;
 ``rms_norm_forward`` -> ``(out, rstd)``, ``rms_norm_backward``;
+``add_rms_norm_forward`` -> ``(out, new_residual, rstd)``, ``add_rms_norm_backward``;
 ``flash_attn_forward`` -> ``(out, lse)``, ``flash_attn_backward``), and the public op is a
 ``CompositeImplicitAutograd`` operator returning only the output: eager autograd and
 tracing decompose it into the forward op, whose registered autograd runs the backward op.
@@ -78,6 +83,8 @@ __all__ = [
     "swiglu",
     "geglu",
     "vector_add",
+    "rope",
+    "add_rms_norm",
     "OPS",
 ]
 
@@ -85,7 +92,8 @@ NAMESPACE = "portable_kernels"
 
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
-       "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen")
+       "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
+       "rope", "add_rms_norm")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -746,6 +754,135 @@ def flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 
 _LIB.impl("flash_attn_varlen", flash_attn_varlen, "CompositeImplicitAutograd")
+# --- rope -----------------------------------------------------------------------------------
+# The backward needs only the tables and positions (inputs): one op each way, the backward
+# the same kernel rotating by minus the angles.
+
+@torch.library.custom_op(f"{NAMESPACE}::rope", mutates_args=())
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor] = None,
+         interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """``(q_out, k_out)``: rotary embeddings of ``q`` (B, S, H, D) and ``k`` (B, S, H_kv, D)
+    (or packed (T, H, D), (T, H_kv, D)) by ``cos``/``sin`` (max_positions, rotary_dim / 2),
+    at ``positions`` ((B, S) or (T,), int32/int64; default 0..S-1); half-rotation pairs, or
+    (2j, 2j+1) with ``interleaved``. New contiguous tensors; differentiable in q and k."""
+    plan = _handle("rope").plan(q, k, cos, sin, positions, interleaved)
+    family = _family("rope")
+    family._check(q, k, cos, sin, positions, interleaved)
+    with _on(q.device):
+        return family._apply(plan, q, k, cos, sin, positions, interleaved)
+
+
+@rope.register_fake
+def _(q, k, cos, sin, positions=None, interleaved=False):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rope_backward", mutates_args=())
+def rope_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor,
+                  positions: Optional[Tensor] = None,
+                  interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """``(dq, dk)``: the upstream gradients rotated back (by minus the angles)."""
+    plan = _handle("rope").plan(grad_q, grad_k, cos, sin, positions, interleaved)
+    with _on(grad_q.device):
+        return _family("rope")._apply(plan, grad_q, grad_k, cos, sin, positions, interleaved,
+                                      inverse=True)
+
+
+@rope_backward.register_fake
+def _(grad_q, grad_k, cos, sin, positions=None, interleaved=False):
+    return grad_q.new_empty(grad_q.shape), grad_k.new_empty(grad_k.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, _, cos, sin, positions, interleaved = inputs
+    if cos.requires_grad or sin.requires_grad:
+        raise InputError("rope: cos and sin take no gradient; pass them detached")
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.interleaved = interleaved
+
+
+def _rope_backward(ctx, grad_q, grad_k):
+    cos, sin, positions = ctx.saved_tensors
+    dq, dk = rope_backward(grad_q, grad_k, cos, sin, positions, ctx.interleaved)
+    return dq, dk, None, None, None, None
+
+
+rope.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+# --- add_rms_norm ---------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::add_rms_norm_forward", mutates_args=())
+def add_rms_norm_forward(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                         offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, new_residual, rstd)``: ``new_residual = x + residual`` (x's dtype), its RMS
+    norm, and the fp32 per-row 1/rms (shape (M,)) that ``add_rms_norm_backward`` needs."""
+    plan = _handle("add_rms_norm").plan(x, residual, weight, eps, offset)
+    family = _family("add_rms_norm")
+    family._check(x, residual, weight, eps, offset)
+    with _on(x.device):
+        out, summed, rstd = family._forward(plan, x, residual, weight.contiguous(), eps, offset)
+    return out, summed.reshape(x.shape), rstd
+
+
+@add_rms_norm_forward.register_fake
+def _(x, residual, weight, eps=1e-6, offset=0.0):
+    return (x.new_empty(x.shape), x.new_empty(x.shape),
+            x.new_empty((_rows(x),), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::add_rms_norm_backward", mutates_args=())
+def add_rms_norm_backward(grad_out: Tensor, grad_residual: Tensor, new_residual: Tensor,
+                          weight: Tensor, rstd: Tensor,
+                          offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)``; dx is also the residual's gradient (x and residual enter only
+    through their sum)."""
+    plan = _handle("add_rms_norm").plan(new_residual, new_residual, weight)
+    n = new_residual.shape[-1]
+    with _on(new_residual.device):
+        dx, dw = _family("add_rms_norm")._backward(
+            plan, grad_out.reshape(-1, n), grad_residual.reshape(-1, n),
+            new_residual.reshape(-1, n), weight.contiguous(), rstd, offset)
+    return dx.reshape(new_residual.shape), dw
+
+
+@add_rms_norm_backward.register_fake
+def _(grad_out, grad_residual, new_residual, weight, rstd, offset=0.0):
+    return new_residual.new_empty(new_residual.shape), weight.new_empty(weight.shape)
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, _, offset = inputs
+    _, summed, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(summed, weight, rstd)
+    ctx.offset = offset
+
+
+def _add_rms_norm_backward(ctx, grad_out, grad_residual, _grad_rstd):
+    summed, weight, rstd = ctx.saved_tensors
+    dx, dw = add_rms_norm_backward(grad_out, grad_residual, summed, weight, rstd, ctx.offset)
+    # One tensor for both, as torch's own add returns its gradient for both operands.
+    return dx, dx, dw, None, None
+
+
+add_rms_norm_forward.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
+
+_LIB.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-06, "
+            "float offset=0.0) -> (Tensor, Tensor)")
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                 offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``(out, new_residual)``: ``new_residual = x + residual`` in x's dtype and its RMS
+    norm over the last dim times ``weight + offset`` (x, residual (..., N) of one shape,
+    weight (N,), one dtype: fp16, bf16, fp32). Differentiable in all three tensors."""
+    out, summed, _ = torch.ops.portable_kernels.add_rms_norm_forward(x, residual, weight, eps,
+                                                                    offset)
+    return out, summed
+
+
+_LIB.impl("add_rms_norm", add_rms_norm, "CompositeImplicitAutograd")
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the

@@ -70,6 +70,8 @@ from portable_kernels.conformance import test_flash_attn as flash_attn_suite
 from portable_kernels.conformance import test_layer_norm as layer_norm_suite
 from portable_kernels.conformance import _glu_suite
 from portable_kernels.conformance import test_rms_norm as rms_norm_suite
+from portable_kernels.conformance import test_rope as rope_suite
+from portable_kernels.conformance import test_add_rms_norm as add_rms_norm_suite
 from portable_kernels.conformance.harness import Inputs, poisoned_allocations
 from portable_kernels.conformance.test_asin import EDGES as ASIN_EDGES
 from portable_kernels.kernels.flash_attn import reference as flash_attn_reference
@@ -101,6 +103,8 @@ EXAMPLES = {
     "grouped_matmul": 14,
     "flash_attn": 14,
     "flash_attn_varlen": 4,
+    "rope": 15,
+    "add_rms_norm": 12,
 }
 
 
@@ -315,7 +319,8 @@ def leaves(*tensors):
 # --- every family has a fuzzer ---------------------------------------------------------------
 
 FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
-          "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen")
+          "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
+          "rope", "add_rms_norm")
 
 
 @pytest.mark.parametrize("family", pk.list_kernels())
@@ -340,6 +345,8 @@ def test_handle_differentiability():
         "matmul": (x, x.t()),
         "grouped_matmul": ([x], [x.t()]),
         "flash_attn": (q, q, q),
+        "rope": (q, q, *_rope_tables(4, 8)),
+        "add_rms_norm": (x, x, w),
     }
     handle_grad = {name for name, args in calls.items()
                    if _requires_grad(pk.get_kernel(name)(*args))}
@@ -348,7 +355,7 @@ def test_handle_differentiability():
 
 
 def _requires_grad(out) -> bool:
-    return (out[0] if isinstance(out, list) else out).requires_grad
+    return (out[0] if isinstance(out, (list, tuple)) else out).requires_grad
 
 
 # --- vector_add -----------------------------------------------------------------------------
@@ -786,6 +793,135 @@ def test_swiglu(dtype, case):
 @given(case=glu_cases())
 def test_geglu(dtype, case):
     _check_glu("geglu", dtype, case)
+
+
+# --- rope -----------------------------------------------------------------------------------
+
+def _rope_tables(max_pos: int, rotary_dim: int):
+    from portable_kernels.kernels.rope import tables
+
+    return tables(max_pos, rotary_dim, device=DEVICE)
+
+
+@st.composite
+def rope_cases(draw):
+    packed = draw(st.booleans())
+    d = draw(st.one_of(st.sampled_from([2, 7, 16, 64, 130]), st.integers(2, 160)))
+    h = draw(st.integers(1, 5))
+    lead = draw(shapes(1 if packed else 2, 40, max(1, 3000 // (h * d))))
+    ndim = len(lead) + 2
+    return dict(lead=lead, h=h, hk=draw(st.integers(1, h)), d=d,
+                half=draw(st.one_of(st.just(d // 2), st.integers(1, d // 2))),
+                extra=draw(st.integers(0, 20)), interleaved=draw(st.booleans()),
+                positions=draw(st.sampled_from([None, torch.int32, torch.int64])),
+                q=draw(layouts(ndim)), k=draw(layouts(ndim)), tables=draw(layouts(2, expand=False)),
+                grad_q=draw(layouts(ndim)), grad_k=draw(layouts(ndim)),
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("rope")
+@given(case=rope_cases())
+def test_rope(dtype, case):
+    """Any tables (the kernel rotates by what it is given), partial rotary_dim, GQA, packed
+    or batched, default or given positions, any layouts."""
+    from portable_kernels.kernels.rope import reference
+
+    gen = _gen(case["seed"])
+    lead, d, half, interleaved = case["lead"], case["d"], case["half"], case["interleaved"]
+    q = make((*lead, case["h"], d), dtype, case["q"], gen)
+    k = make((*lead, case["hk"], d), dtype, case["k"], gen)
+    max_pos = max(1, lead[-1] + case["extra"])
+    cos = make((max_pos, half), torch.float32, case["tables"], gen)
+    sin = make((max_pos, half), torch.float32, case["tables"], gen)
+    positions = None
+    if case["positions"] is not None:
+        positions = torch.randint(0, max_pos, lead, generator=gen, dtype=case["positions"]).to(DEVICE)
+    refs = reference(q.cpu(), k.cpu(), cos.cpu(), sin.cpu(),
+                     None if positions is None else positions.cpu(), interleaved)
+    before = snapshot(q, k, cos, sin)
+    tol = tolerance(dtype, "elementwise")
+    inputs = Inputs((q, k, cos, sin))
+    for variant in runnable_variants("rope", q, k, cos, sin, positions, interleaved):
+        with forced("rope", variant):
+            outs = call("rope", case["api"], q, k, cos, sin, positions, interleaved)
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            t = rope_suite.tolerance_for(tol, f"out[{i}]", ref, inputs, None)
+            check_output(out, ref, dtype, t, f"rope[{variant}] out[{i}]")
+        assert_unchanged(before, (q, k, cos, sin), f"rope[{variant}]")
+        if not q.numel():
+            continue
+        mine, ref64 = leaves(q, k)
+        grads = [make(o.shape, dtype, case[g], gen) for o, g in zip(outs, ("grad_q", "grad_k"))]
+        with forced("rope", variant):
+            got = torch.autograd.grad(call("rope", case["api"], *mine, cos, sin, positions,
+                                           interleaved), mine, grads)
+        want = torch.autograd.grad(
+            reference(*ref64, cos.cpu(), sin.cpu(), None if positions is None else positions.cpu(),
+                      interleaved), ref64, [g.cpu().double() for g in grads])
+        for name, g, r in zip(("dq", "dk"), got, want):
+            t = rope_suite.tolerance_for(tol, name, r, inputs, grads)
+            check_output(g, r, dtype, t, f"rope[{variant}] {name}", contiguous=False)
+
+
+# --- add_rms_norm ---------------------------------------------------------------------------
+
+@st.composite
+def add_rms_norm_cases(draw):
+    ndim = draw(st.integers(1, 3))
+    n = draw(st.one_of(st.sampled_from([1, 37, 1025, 0]), st.integers(0, 2100)))
+    lead = draw(shapes(ndim - 1, 400, 24000 // max(1, n)))
+    requires = draw(st.sampled_from([(True, True, True), (True, False, False),
+                                     (False, True, True), (False, False, True)]))
+    return dict(shape=(*lead, n), x=draw(layouts(ndim)), r=draw(layouts(ndim)), w=draw(layouts(1)),
+                grad=draw(layouts(ndim)), grad_res=draw(layouts(ndim)),
+                eps=draw(st.sampled_from([1e-6, 1e-3, 0.25])),
+                offset=draw(st.sampled_from([0.0, 1.0])), requires=requires,
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("add_rms_norm")
+@given(case=add_rms_norm_cases())
+def test_add_rms_norm(dtype, case):
+    gen = _gen(case["seed"])
+    n, eps, offset = case["shape"][-1], case["eps"], case["offset"]
+    x = make(case["shape"], dtype, case["x"], gen, _normal(2.0, 0.5))
+    r = make(case["shape"], dtype, case["r"], gen, _normal(2.0))
+    w = make((n,), dtype, case["w"], gen, _normal(0.5, 1.0 - offset))
+    summed64 = (x.cpu().double() + r.cpu().double()).to(dtype).double()
+    refs = (_rms_norm64(summed64, w.cpu().double(), eps, offset), summed64)
+    before = snapshot(x, r, w)
+    tol = tolerance(dtype, "reduction")
+    for variant in runnable_variants("add_rms_norm", x, r, w, eps, offset):
+        with forced("add_rms_norm", variant):
+            outs = call("add_rms_norm", case["api"], x, r, w, eps, offset)
+        check_output(outs[0], refs[0], dtype, tol, f"add_rms_norm[{variant}] out")
+        check_output(outs[1], refs[1], dtype, tolerance(dtype, "elementwise"),
+                     f"add_rms_norm[{variant}] new_residual")
+        assert_unchanged(before, (x, r, w), f"add_rms_norm[{variant}]")
+        if not x.numel():
+            continue
+        mine, ref64 = leaves(x, r, w)
+        wanted = [i for i, req in enumerate(case["requires"]) if req]
+        for i, req in enumerate(case["requires"]):
+            mine[i].requires_grad_(req)
+            ref64[i].requires_grad_(req)
+        grads = [make(x.shape, dtype, case[g], gen) for g in ("grad", "grad_res")]
+        with forced("add_rms_norm", variant):
+            got = torch.autograd.grad(call("add_rms_norm", case["api"], *mine, eps, offset),
+                                      [mine[i] for i in wanted], grads)
+        s64 = ref64[0] + ref64[1]
+        # With only the weight differentiable, the new residual has no gradient to pass on.
+        outs64 = (_rms_norm64(s64, ref64[2], eps, offset), s64)
+        pairs = [(o, g.cpu().double()) for o, g in zip(outs64, grads) if o.requires_grad]
+        want = torch.autograd.grad([o for o, _ in pairs], [ref64[i] for i in wanted],
+                                   [g for _, g in pairs])
+        inputs = Inputs((x, r, w), {"eps": eps, "offset": offset})
+        for i, g, expect in zip(wanted, got, want):
+            name = ("dx", "dresidual", "dweight")[i]
+            t = add_rms_norm_suite.tolerance_for(tol, name, expect, inputs, grads)
+            check_output(g, expect, dtype, t, f"add_rms_norm[{variant}] {name}", contiguous=False)
 
 
 # --- matmul ---------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ _CONFIGS: dict[tuple[str, str | None], triton.Config] = {
     # 64 (not 128) still gives test-sized sequences several query and key blocks, which
     # exercises the causal diagonal and both loop stages. Every variant, forward and back.
     ("flash_attn", None): triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=1),
+    ("rope", None): triton.Config({"TILE": 16384}, num_warps=1),
+    ("add_rms_norm", None): triton.Config({"MAX_BLOCK_N": 1024, "TILE": 16384, "GROUPS": 2},
+                                          num_warps=1),
 }
 
 

@@ -29,19 +29,24 @@ with the reason logged once per reason at WARNING on this module's logger
 position biases, head dims that differ between q/k/v or exceed 256, dtypes other than
 fp16/bf16/fp32.
 
+:func:`apply` (the end of this module) goes further for Llama, Mistral, Qwen2, Qwen3 and
+Gemma 1-3 models: their RMSNorm modules, gated MLPs and rotary embeddings run on
+``ops.rms_norm``, ``ops.swiglu``/``ops.geglu`` and ``ops.rope``; :func:`undo` reverses it.
+
 ``transformers`` is an optional dependency: ``pip install 'portable-kernels[transformers]'``.
 This module imports it only inside :func:`register` and the fallback.
 """
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
 
 from .. import ops
 
-__all__ = ["NAME", "attention_forward", "fallback_reason", "register"]
+__all__ = ["NAME", "attention_forward", "fallback_reason", "register", "apply", "undo"]
 
 NAME = "portable_kernels"
 
@@ -239,3 +244,191 @@ def register(name: str = NAME) -> str:
     AttentionMaskInterface.register(
         name, AttentionMaskInterface._global_mapping["flash_attention_2"])
     return name
+
+
+# --- the model patcher: norms, rotary embeddings and gated MLPs on our kernels ------------------
+#
+# apply(model) swaps, per module instance (an instance ``forward``; the class is untouched),
+# the RMSNorm modules and gated MLPs of the architectures below for ``ops.rms_norm`` and
+# ``ops.swiglu``/``ops.geglu``, and the rotary embedding of their attention for ``ops.rope``.
+# Rotary embeddings are a function of the modeling module (``apply_rotary_pos_emb``, which
+# the attention's forward calls), not of a module instance: it is replaced in that modeling
+# module while at least one applied model of the architecture remains, so other models of
+# the same architecture run it on the kernel meanwhile (the same math). undo(model) puts
+# everything back. Nothing here is read from the weights' values: no device sync.
+
+#: RMSNorm classes and the offset their weight takes (Gemma's ``1 + w``).
+RMS_NORMS = {
+    "LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
+    "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0,
+}
+#: Gated MLP classes: ``down_proj(act(gate_proj(x)) * up_proj(x))``.
+GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP"}
+#: Attention classes whose modeling module's ``apply_rotary_pos_emb`` is the half rotation
+#: by (B, S, D) cos and sin tables with both halves equal (their rotary embeddings').
+ROTARY_ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
+                     "GemmaAttention", "Gemma2Attention", "Gemma3Attention"}
+
+_PATCH = "_pk_patch"            # on an applied model: what apply() did, for undo()
+_ORIGINAL = "_pk_original_rope"  # on a modeling module: its own apply_rotary_pos_emb
+_rotary_users: dict[str, int] = {}  # modeling module -> applied models using its rotary
+
+
+def _activation(act: torch.nn.Module) -> str | None:
+    """``"swiglu"`` or ``"geglu"`` for the activations our kernels compute, else None."""
+    name = type(act).__name__
+    if name in ("SiLU", "SiLUActivation"):
+        return "swiglu"
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation") or (
+            name == "GELU" and getattr(act, "approximate", "none") == "tanh"):
+        return "geglu"
+    return None
+
+
+def _fallback(what: str, reason: str, original, *args):
+    _log_patch_fallback(f"{what}: {reason}")
+    return original(*args)
+
+
+def _log_patch_fallback(reason: str) -> None:
+    if torch.compiler.is_compiling():
+        return
+    if reason in _warned:
+        logger.debug("falls back to transformers' own code: %s", reason)
+    else:
+        _warned.add(reason)
+        logger.warning("portable_kernels falls back to transformers' own code for %s", reason)
+
+
+def _rms_norm_forward(offset: float):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.dtype != weight.dtype or x.dtype not in _DTYPES:
+            return _fallback(type(self).__name__, f"input {x.dtype} with weight {weight.dtype}",
+                             type(self).forward, self, x)
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+        return ops.rms_norm(x, weight, eps, offset)
+    return forward
+
+
+def _mlp_forward(kernel: str):
+    glu = getattr(ops, kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype not in _DTYPES or gate.dtype != up.dtype:
+            return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(glu(gate, up))
+    return forward
+
+
+def _rope_fallback_reason(q, k, cos, sin, unsqueeze_dim) -> str | None:
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} with "
+                f"unsqueeze_dim={unsqueeze_dim}: rope takes (B, H, S, D) and (B, S, D) tables")
+    seq_dim = 2 if unsqueeze_dim == 1 else 1
+    if (cos.shape != sin.shape or cos.shape[-1] != q.shape[-1] or q.shape[-1] % 2
+            or cos.shape[1] != q.shape[seq_dim] or cos.shape[0] not in (1, q.shape[0])):
+        return f"tables cos {tuple(cos.shape)}, sin {tuple(sin.shape)} for q {tuple(q.shape)}"
+    if q.dtype not in _DTYPES or q.dtype != k.dtype or cos.dtype not in _DTYPES:
+        return f"dtypes q {q.dtype}, k {k.dtype}, cos {cos.dtype}"
+    if cos.requires_grad or sin.requires_grad:
+        return "cos and sin require a gradient, which rope does not give them"
+    return None
+
+
+def _rope_function(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        """transformers' rotary embedding on ``ops.rope``: each token's (B, S, D) cos and sin
+        row (halves equal, as these models' rotary embeddings make them) is a row of a
+        (B * S, D / 2) table, and token (b, s) takes row b * S + s."""
+        reason = _rope_fallback_reason(q, k, cos, sin, unsqueeze_dim)
+        if reason is not None:
+            return _fallback("apply_rotary_pos_emb", reason, original, q, k, cos, sin, unsqueeze_dim)
+        b, s, d = cos.shape
+        half = d // 2
+        cos_t, sin_t = cos.reshape(b * s, d)[:, :half], sin.reshape(b * s, d)[:, :half]
+        positions = torch.arange(b * s, device=q.device).view(b, s).expand(q.shape[0], s)
+        if unsqueeze_dim == 1:  # (B, H, S, D): the kernel takes (B, S, H, D) views
+            q_out, k_out = ops.rope(q.transpose(1, 2), k.transpose(1, 2), cos_t, sin_t, positions)
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
+        return ops.rope(q, k, cos_t, sin_t, positions)
+    apply_rotary_pos_emb.__wrapped__ = original
+    return apply_rotary_pos_emb
+
+
+def _patch_rotary(module_name: str) -> None:
+    import sys
+
+    mod = sys.modules[module_name]
+    if _rotary_users.get(module_name, 0) == 0:
+        original = mod.apply_rotary_pos_emb
+        setattr(mod, _ORIGINAL, original)
+        mod.apply_rotary_pos_emb = _rope_function(original)
+    _rotary_users[module_name] = _rotary_users.get(module_name, 0) + 1
+
+
+def _unpatch_rotary(module_name: str) -> None:
+    import sys
+
+    mod = sys.modules[module_name]
+    _rotary_users[module_name] -= 1
+    if _rotary_users[module_name] == 0:
+        mod.apply_rotary_pos_emb = getattr(mod, _ORIGINAL)
+        delattr(mod, _ORIGINAL)
+        del _rotary_users[module_name]
+
+
+def apply(model: torch.nn.Module) -> dict[str, int]:
+    """Run ``model``'s RMSNorm modules, gated MLPs and rotary embeddings on our kernels
+    (``ops.rms_norm``, ``ops.swiglu``/``ops.geglu``, ``ops.rope``), for the Llama, Mistral,
+    Qwen2, Qwen3 and Gemma 1-3 classes named in :data:`RMS_NORMS`, :data:`GATED_MLPS` and
+    :data:`ROTARY_ATTENTIONS`; other modules are left alone. Returns how many of each were
+    patched (``{"rms_norm": n, "mlp": m, "rotary": modules}``) and logs it at INFO.
+
+    Idempotent (a second call changes nothing and returns the first call's counts);
+    :func:`undo` reverses it. Calls the kernels cannot take (mixed dtypes, tables of
+    another shape) run transformers' own code, with the reason logged once at WARNING.
+    """
+    done = getattr(model, _PATCH, None)
+    if done is not None:
+        logger.debug("portable_kernels: %s is already patched", type(model).__name__)
+        return done["counts"]
+    patched, rotary = [], []
+    for module in model.modules():
+        name = type(module).__name__
+        if name in RMS_NORMS:
+            module.forward = types.MethodType(_rms_norm_forward(RMS_NORMS[name]), module)
+            patched.append(module)
+        elif name in GATED_MLPS:
+            kernel = _activation(module.act_fn)
+            if kernel is None:
+                logger.info("portable_kernels: %s keeps its activation %s (no kernel for it)",
+                            name, type(module.act_fn).__name__)
+                continue
+            module.forward = types.MethodType(_mlp_forward(kernel), module)
+            patched.append(module)
+        elif name in ROTARY_ATTENTIONS and type(module).__module__ not in rotary:
+            rotary.append(type(module).__module__)
+    for module_name in rotary:
+        _patch_rotary(module_name)
+    counts = {"rms_norm": sum(type(m).__name__ in RMS_NORMS for m in patched),
+              "mlp": sum(type(m).__name__ in GATED_MLPS for m in patched), "rotary": len(rotary)}
+    setattr(model, _PATCH, {"modules": patched, "rotary": rotary, "counts": counts})
+    logger.info("portable_kernels: %s runs %d RMSNorm and %d MLP modules and the rotary "
+                "embeddings of %s on its kernels", type(model).__name__, counts["rms_norm"],
+                counts["mlp"], ", ".join(rotary) or "no module")
+    return counts
+
+
+def undo(model: torch.nn.Module) -> None:
+    """Reverse :func:`apply` on ``model`` (nothing to do if it was not applied)."""
+    done = getattr(model, _PATCH, None)
+    if done is None:
+        return
+    for module in done["modules"]:
+        del module.forward  # the instance attribute; the class's forward shows again
+    for module_name in done["rotary"]:
+        _unpatch_rotary(module_name)
+    delattr(model, _PATCH)
+    logger.info("portable_kernels: %s back on transformers' own code", type(model).__name__)

@@ -13,6 +13,12 @@ weight``,
     dx = (g - (xhat * mean(g * xhat) + mean(g))) * rstd          (per row)
     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
 
+Rows that fit one chunk (up to ``MAX_BLOCK_N`` columns: every LLM hidden size the tables
+serve) take the dx kernel's ``ONE_CHUNK`` path, which reads x and dy once and writes dx
+once: a few programs per multiprocessor, each holding a whole row tile in registers,
+keeping its column sums of ``dy * xhat`` and ``dy`` in registers across its tiles and
+writing them once to a partial row of its own (no locks), which the dwdb kernel adds up.
+Longer rows stream their chunks twice (the row means first, then dx):
 ``_layer_norm_bwd_dx_kernel`` writes dx and folds its tile's column sums of ``dy * xhat``
 and ``dy`` into one of ``G`` partial rows, chosen by program id modulo G, under a spin lock
 per partial row (``tl.atomic_cas`` to take it, ``tl.atomic_xchg`` to release). G is far
@@ -23,9 +29,15 @@ taken per chunk and the partial rows start at zero (instead of the tutorial's fi
 flag, which would be needed per chunk). Under Triton's interpreter programs run one at a
 time, so the lock is never contended and never waits on a later program.
 
-Constexpr switches: none. Config: ``MAX_BLOCK_N`` (widest column chunk), ``TILE`` (elements
-per program tile, so ``BLOCK_M = TILE // BLOCK_N`` rows), ``GROUPS`` (most partial rows for
-dweight/dbias) and ``num_warps`` (the most a program uses; small tiles use fewer).
+Constexpr switches: ``RMS`` (rms_norm.py: no mean, no bias), ``ADD`` (add_rms_norm.py:
+the norm of ``x + residual``, which the forward also stores, and in the backward the new
+residual's gradient added to dx) and ``ONE_CHUNK`` (a row that fits one chunk is read once
+and kept in registers, in the forward and in the backward; every norm takes it). Config:
+``MAX_BLOCK_N`` (widest column chunk), ``TILE`` (elements per program tile, so
+``BLOCK_M = TILE // BLOCK_N`` rows),
+``GROUPS`` (most partial rows for dweight/dbias of rows longer than a chunk),
+``PROGRAMS_PER_SM`` (optional, default 4: the ``ONE_CHUNK`` backward's programs per
+multiprocessor) and ``num_warps`` (the most a program uses; small tiles use fewer).
 """
 from __future__ import annotations
 
@@ -57,22 +69,65 @@ def _load_tile(ptr, rows, cols, row_stride, col_stride, mask):
 # --- kernels --------------------------------------------------------------------------------
 
 @triton.jit
+def _load_input(x_ptr, r_ptr, s_ptr, rows, c, x_row_stride, x_col_stride, r_row_stride,
+                r_col_stride, s_row_stride, mask, ADD: tl.constexpr, STORE_SUM: tl.constexpr):
+    """The tile the norm reads, in fp32: ``x``, or with ``ADD`` the new residual ``x +
+    residual`` rounded to the output's dtype (as transformers adds in the model's dtype and
+    normalizes that sum), stored to ``s_ptr`` when ``STORE_SUM``."""
+    x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+    if ADD:
+        total = (x + _load_tile(r_ptr, rows, c, r_row_stride, r_col_stride, mask)).to(
+            s_ptr.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(s_ptr + rows[:, None] * s_row_stride + c[None, :], total, mask=mask)
+        x = total.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr,              # inputs: x (M, N) strided, weight and bias (N,)
     y_ptr, mean_ptr, rstd_ptr,        # outputs: y (M, N) contiguous rows, mean/rstd (M,) fp32
+    r_ptr, s_ptr,                     # ADD: residual (M, N) strided; new residual (M, N) out
     n_rows, n_cols,                   # sizes
     x_row_stride, x_col_stride,       # x strides (elements)
-    y_row_stride,
+    r_row_stride, r_col_stride,       # residual strides
+    y_row_stride,                     # y's and the new residual's row stride
     eps,
     w_offset,                         # added to weight (rms_norm's Gemma offset; 0 here)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RMS: tl.constexpr = False,        # rms_norm: no mean, no bias (rms_norm.py)
+    ADD: tl.constexpr = False,        # add_rms_norm: normalize x + residual, store the sum
+    ONE_CHUNK: tl.constexpr = False,  # the row fits one BLOCK_N chunk: read it once
 ):
     # --- program id to a tile of rows ---
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_N)
+
+    if ONE_CHUNK:
+        # --- the whole row in registers: one read of the inputs, one write per output ---
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_input(x_ptr, r_ptr, s_ptr, rows, cols, x_row_stride, x_col_stride,
+                        r_row_stride, r_col_stride, y_row_stride, mask, ADD, True)
+        if RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            mean = tl.sum(x, axis=1) / n_cols
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / n_cols + eps)
+        if not RMS:
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+        y = d * rstd[:, None] * w[None, :]
+        if not RMS:
+            y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
+        return
 
     # --- pass 1: mean (per-lane partial sums, reduced once after the loop) ---
     if RMS:
@@ -82,15 +137,17 @@ def _layer_norm_fwd_kernel(
         for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             mask = row_mask[:, None] & (c < n_cols)[None, :]
-            acc += _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+            acc += _load_input(x_ptr, r_ptr, s_ptr, rows, c, x_row_stride, x_col_stride,
+                               r_row_stride, r_col_stride, y_row_stride, mask, ADD, False)
         mean = tl.sum(acc, axis=1) / n_cols
 
-    # --- pass 2: variance about the mean (RMS: the mean square) ---
+    # --- pass 2: variance about the mean (RMS: the mean square); ADD stores the sum ---
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         mask = row_mask[:, None] & (c < n_cols)[None, :]
-        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        x = _load_input(x_ptr, r_ptr, s_ptr, rows, c, x_row_stride, x_col_stride,
+                        r_row_stride, r_col_stride, y_row_stride, mask, ADD, True)
         # Masked lanes read 0, but 0 - mean is not 0: zero them before squaring.
         d = tl.where(mask, x - mean[:, None], 0.0)
         acc += d * d
@@ -101,11 +158,14 @@ def _layer_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
     # --- pass 3: normalize, scale, shift, write back ---
+    # ADD sums the inputs again rather than read back the stored sum: another thread of
+    # this program may have stored it, with no barrier between.
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         col_mask = c < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_tile(x_ptr, rows, c, x_row_stride, x_col_stride, mask)
+        x = _load_input(x_ptr, r_ptr, s_ptr, rows, c, x_row_stride, x_col_stride,
+                        r_row_stride, r_col_stride, y_row_stride, mask, ADD, False)
         w = tl.load(w_ptr + c, mask=col_mask, other=0.0).to(tl.float32) + w_offset
         y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
         if not RMS:
@@ -130,20 +190,86 @@ def _bwd_chunk(x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, 
 
 
 @triton.jit
+def _bwd_dx_rows_in_registers(
+    dx_ptr, dy_ptr, x_ptr, w_ptr, dres_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    n_rows, n_cols, x_row_stride, x_col_stride, dy_row_stride, dy_col_stride,
+    dres_row_stride, dres_col_stride, dx_row_stride, w_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RMS: tl.constexpr, ADD: tl.constexpr,
+):
+    """The dx kernel for rows that fit one chunk (``n_cols <= BLOCK_N``), reading x and dy
+    once and writing dx once: a grid of a few programs per multiprocessor, each taking the
+    row tiles ``pid, pid + P, ...`` whole into registers (both row means come from the
+    tile in hand) and adding their column sums of ``dy * xhat`` and ``dy`` into fp32
+    accumulators it keeps across its tiles. It writes them once, to its own partial row
+    ``pid`` (no lock, no zero-initialised buffer); the dwdb kernel adds the P rows up."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), n_programs):
+        # Row indices fit int32; their products with strides are taken in int64.
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        # Rows past the end read mean = rstd = 0 and dy = 0: they add nothing.
+        if RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        x = _load_tile(x_ptr, rows, cols, x_row_stride, x_col_stride, mask)
+        dy = _load_tile(dy_ptr, rows, cols, dy_row_stride, dy_col_stride, mask)
+        # Masked lanes: dy = 0, so g = 0 and dy * xhat = 0 whatever xhat is there.
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / n_cols
+        if RMS:  # the output does not depend on a mean: no mean(g) term
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / n_cols
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if ADD:  # x and residual reach the output through their sum, and reach it alone too
+            dx += _load_tile(dres_ptr, rows, cols, dres_row_stride, dres_col_stride, mask)
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+        if not RMS:
+            db_acc += tl.sum(dy, axis=0)
+    part = pid.to(tl.int64) * n_cols + cols
+    tl.store(dw_part_ptr + part, dw_acc, mask=col_mask)
+    if not RMS:
+        tl.store(db_part_ptr + part, db_acc, mask=col_mask)
+
+
+@triton.jit
 def _layer_norm_bwd_dx_kernel(
     dx_ptr, dy_ptr, x_ptr, w_ptr,     # dx (M, N) contiguous rows; dy, x (M, N) strided; w (N,)
+    dres_ptr,                         # ADD: the new residual's gradient (M, N) strided
     mean_ptr, rstd_ptr,               # per-row statistics from the forward (fp32)
     dw_part_ptr, db_part_ptr,         # (GROUPS, N) fp32 partial sums, zero-initialized
     lock_ptr,                         # (GROUPS,) int32 spin locks, zero-initialized
     n_rows, n_cols, n_groups,
     x_row_stride, x_col_stride,
     dy_row_stride, dy_col_stride,
+    dres_row_stride, dres_col_stride,
     dx_row_stride,
     w_offset,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RMS: tl.constexpr = False,        # rms_norm: xhat = x * rstd, no dbias
+    ADD: tl.constexpr = False,        # add_rms_norm: x is the new residual; dx += its gradient
+    ONE_CHUNK: tl.constexpr = False,  # rows fit one chunk: the persistent, lock-free path
 ):
+    if ONE_CHUNK:
+        _bwd_dx_rows_in_registers(
+            dx_ptr, dy_ptr, x_ptr, w_ptr, dres_ptr, mean_ptr, rstd_ptr, dw_part_ptr,
+            db_part_ptr, n_rows, n_cols, x_row_stride, x_col_stride, dy_row_stride,
+            dy_col_stride, dres_row_stride, dres_col_stride, dx_row_stride, w_offset,
+            BLOCK_M, BLOCK_N, RMS, ADD)
+        return
     # --- program id to a tile of rows, and to its partial row for dweight/dbias ---
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -183,6 +309,8 @@ def _layer_norm_bwd_dx_kernel(
             dx = (g - xhat * c1[:, None]) * rstd[:, None]
         else:
             dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if ADD:  # x and residual reach the output through their sum, and reach it alone too
+            dx += _load_tile(dres_ptr, rows, c, dres_row_stride, dres_col_stride, mask)
         tl.store(dx_ptr + rows[:, None] * dx_row_stride + c[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
         # Reduce the tile over its rows first, so the lock guards one row of adds.
@@ -270,48 +398,78 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def _forward(plan, x, weight, bias, eps, offset: float = 0.0):
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (M, N) rows, a view where strides allow."""
+    n_cols = t.shape[-1]
+    # reshape(-1, 0) is ambiguous (torch refuses it): with no columns, count the rows.
+    return t.reshape(-1, n_cols) if n_cols else t.reshape(math.prod(t.shape[:-1]), 0)
+
+
+def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None):
     """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow.
     ``bias`` None: rms_norm (no mean, no bias; ``mean`` is ``rstd`` itself), with
-    ``offset`` added to the weight."""
-    n_cols = x.shape[-1]
-    # reshape(-1, 0) is ambiguous (torch refuses it): with no columns, count the rows.
-    rows = x.reshape(-1, n_cols) if n_cols else x.reshape(math.prod(x.shape[:-1]), 0)
-    n_rows = rows.shape[0]
+    ``offset`` added to the weight. ``residual`` (``x``'s shape): add_rms_norm, which
+    normalizes ``x + residual`` (in ``x``'s dtype); ``rows`` is then that sum, a new
+    contiguous (M, N) tensor."""
+    rows = _as_rows(x)
+    n_rows, n_cols = rows.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     # rms_norm stores no mean: its kernel gets rstd's pointer there and never writes it.
     mean = rstd if bias is None else torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    add = residual is not None
+    res_rows = _as_rows(residual) if add else rows
+    out_rows = torch.empty_like(y) if add else rows  # the new residual (ADD); else unread
     if y.numel() == 0:
-        return y.reshape(x.shape), rows, mean, rstd
+        return y.reshape(x.shape), out_rows, mean, rstd
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
     rms = bias is None
     plan.direct(_layer_norm_fwd_kernel)[(_host.cdiv(n_rows, block_m),)](
-        rows, weight, weight if rms else bias, y, mean, rstd,
-        n_rows, n_cols, rows.stride(0), rows.stride(1), y.stride(0), float(eps), float(offset),
-        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, num_warps=num_warps, **plan.switches,
+        rows, weight, weight if rms else bias, y, mean, rstd, res_rows, out_rows if add else y,
+        n_rows, n_cols, rows.stride(0), rows.stride(1), res_rows.stride(0), res_rows.stride(1),
+        y.stride(0), float(eps), float(offset),
+        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, ADD=add,
+        # A row that fits one chunk is read once (the streamed passes read it three times).
+        ONE_CHUNK=n_cols <= block_n, num_warps=num_warps, **plan.switches,
     )
-    return y.reshape(x.shape), rows, mean, rstd
+    return y.reshape(x.shape), out_rows, mean, rstd
 
 
-def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: float = 0.0):
+def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: float = 0.0,
+              dres=None):
     """(dx as (M, N), dweight, dbias) for the upstream gradient ``dy`` (M, N); with
-    ``rms``, rms_norm's (``mean`` unread, dbias None)."""
+    ``rms``, rms_norm's (``mean`` unread, dbias None); with ``dres`` (M, N), the gradient
+    of add_rms_norm's new residual ``rows``, added to dx."""
     n_rows, n_cols = rows.shape
     dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight), None if rms else torch.zeros_like(weight)
     block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
-    n_programs = _host.cdiv(n_rows, block_m)
-    n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
-    dw_part = torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
-    db_part = dw_part if rms else torch.zeros((n_groups, n_cols), dtype=torch.float32, device=rows.device)
-    locks = torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
+    n_tiles = _host.cdiv(n_rows, block_m)
+    one_chunk = n_cols <= block_n
+    if one_chunk:
+        # One partial row per program, each program a few tiles: enough programs to keep
+        # every multiprocessor busy (PROGRAMS_PER_SM), few enough that the partial rows
+        # stay a small fraction of the traffic.
+        n_programs = min(n_tiles, plan.config.kwargs.get("PROGRAMS_PER_SM", 4)
+                         * max(1, plan.device.num_sms))
+        n_groups = n_programs
+        new = torch.empty
+    else:
+        n_programs = n_tiles
+        n_groups = max(1, min(plan.config.kwargs["GROUPS"], n_programs))
+        new = torch.zeros  # chunk by chunk under the locks: the partial rows start at 0
+    dw_part = new((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    db_part = dw_part if rms else new((n_groups, n_cols), dtype=torch.float32, device=rows.device)
+    locks = dw_part if one_chunk else torch.zeros(n_groups, dtype=torch.int32, device=rows.device)
+    add = dres is not None
+    dres = dres if add else dy  # unread without ADD
     plan.direct(_layer_norm_bwd_dx_kernel)[(n_programs,)](
-        dx, dy, rows, weight, mean, rstd, dw_part, db_part, locks,
+        dx, dy, rows, weight, dres, mean, rstd, dw_part, db_part, locks,
         n_rows, n_cols, n_groups, rows.stride(0), rows.stride(1),
-        dy.stride(0), dy.stride(1), dx.stride(0), float(offset),
-        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, num_warps=num_warps, **plan.switches,
+        dy.stride(0), dy.stride(1), dres.stride(0), dres.stride(1), dx.stride(0), float(offset),
+        BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, ADD=add, ONE_CHUNK=one_chunk,
+        num_warps=num_warps, **plan.switches,
     )
     dw = torch.empty_like(weight)
     db = dw if rms else torch.empty_like(weight)

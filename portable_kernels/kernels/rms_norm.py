@@ -35,23 +35,24 @@ def problem(x, weight, eps=1e-6, offset=0.0) -> Problem:
     return Problem(_host.tensor_device(NAME, "x", x), x.dtype)
 
 
-def _check(x, weight, eps, offset) -> None:
-    _host.same_device(NAME, x=x, weight=weight)
-    _host.check_dtype(NAME, "x", x)
-    _host.check_same_dtype(NAME, x=x, weight=weight)
+def _check(x, weight, eps, offset, name: str = NAME) -> None:
+    """Errors named for ``name`` (add_rms_norm checks its norm's arguments here too)."""
+    _host.same_device(name, x=x, weight=weight)
+    _host.check_dtype(name, "x", x)
+    _host.check_same_dtype(name, x=x, weight=weight)
     if x.dim() == 0:
-        raise _host.InputError(f"{NAME}: x must have at least one dimension, got a scalar")
+        raise _host.InputError(f"{name}: x must have at least one dimension, got a scalar")
     n = x.shape[-1]
     if tuple(weight.shape) != (n,):
-        raise _host.InputError(f"{NAME}: weight must have shape ({n},) (x's last dimension), "
+        raise _host.InputError(f"{name}: weight must have shape ({n},) (x's last dimension), "
                                f"got {tuple(weight.shape)}")
     for arg, value in (("eps", eps), ("offset", offset)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise _host.ArgumentError(f"{NAME}: {arg} must be a float, got {type(value).__name__}")
+            raise _host.ArgumentError(f"{name}: {arg} must be a float, got {type(value).__name__}")
     if not 0.0 <= eps < float("inf"):  # also rejects NaN
-        raise _host.InputError(f"{NAME}: eps must be finite and >= 0, got eps={eps}")
+        raise _host.InputError(f"{name}: eps must be finite and >= 0, got eps={eps}")
     if offset != offset or abs(offset) == float("inf"):
-        raise _host.InputError(f"{NAME}: offset must be finite, got offset={offset}")
+        raise _host.InputError(f"{name}: offset must be finite, got offset={offset}")
 
 
 def _forward(plan, x, weight, eps, offset):
