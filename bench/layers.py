@@ -1,11 +1,13 @@
 """The elementwise and norm layers against torch's own operators, as memory bandwidth.
 
-Families: ``vector_add``, ``softmax``, ``layer_norm``, ``rms_norm``, ``swiglu`` and
-``geglu`` (one fused (..., 2I) gate-up tensor, as models store it), ``asin``; on
+Families: ``vector_add``, ``softmax``, ``layer_norm``, ``rms_norm``, ``add_rms_norm``
+(residual add and RMS norm), ``swiglu`` and ``geglu`` (one fused (..., 2I) gate-up tensor, as
+models store it), ``rope`` (q and k of 128-wide heads, GQA 4:1, fp32 tables), ``asin``; on
 transformer-sized rows (tokens x hidden). Each is memory-bound, so a row reports GB/s:
 the bytes a kernel must move (inputs read once, outputs written once) over its time, ours
-and torch's (``torch.nn.functional``'s layer, ``torch.softmax``, ``x + y``; ``silu(g) * u``
-and ``gelu(g, tanh) * u`` as eager torch runs them, one kernel each), and ours over torch's.
+and torch's (``torch.nn.functional``'s layer, ``torch.softmax``, ``x + y``; the add then
+``rms_norm``; ``silu(g) * u``, ``gelu(g, tanh) * u`` and rotate-half rotary embeddings as eager
+torch runs them, a kernel per operation), and ours over torch's.
 With ``--backward`` the backward is timed too (every family here is differentiable; its bytes:
 the forward's inputs and the incoming gradient read, the gradients written).
 
@@ -40,8 +42,10 @@ SHAPES = [(16, 4096), (4096, 4096), (8192, 8192)]
 QUICK = [(4096, 4096)]
 #: family -> the tolerance kind of its outputs (testing.TOLERANCES).
 KINDS = {"vector_add": "elementwise", "softmax": "reduction", "layer_norm": "reduction",
-         "rms_norm": "reduction", "swiglu": "elementwise", "geglu": "elementwise",
-         "asin": "elementwise"}
+         "rms_norm": "reduction", "add_rms_norm": "reduction", "swiglu": "elementwise",
+         "geglu": "elementwise", "rope": "elementwise", "asin": "elementwise"}
+#: How many of a family's leading arguments take a gradient (the others: all of them).
+GRAD_ARGS = {"rope": 2}
 FAMILIES = list(KINDS)
 
 
@@ -59,6 +63,14 @@ def inputs(family: str, tokens: int, hidden: int, dtype: torch.dtype, device) ->
         return randn(tokens, hidden), randn(hidden), randn(hidden)
     if family == "rms_norm":
         return randn(tokens, hidden), randn(hidden)
+    if family == "add_rms_norm":
+        return randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+    if family == "rope":
+        heads = max(1, hidden // 128)
+        d = hidden // heads
+        angles = torch.rand(tokens, d // 2, device=device) * 6.283
+        return (randn(1, tokens, heads, d), randn(1, tokens, max(1, heads // 4), d),
+                angles.cos(), angles.sin())
     if family in ("swiglu", "geglu"):
         return (randn(tokens, 2 * hidden),)
     if family == "asin":
@@ -76,6 +88,13 @@ def torch_op(family: str) -> Callable[..., torch.Tensor]:
         return lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
     if family == "rms_norm":
         return lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6)
+    if family == "add_rms_norm":
+        def add_rms_norm(x, r, w):
+            summed = x + r
+            return F.rms_norm(summed, x.shape[-1:], w, 1e-6), summed
+        return add_rms_norm
+    if family == "rope":
+        return _torch_rope
     if family == "swiglu":
         return lambda gu: F.silu(gu[..., :gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2:]
     if family == "geglu":
@@ -86,25 +105,55 @@ def torch_op(family: str) -> Callable[..., torch.Tensor]:
     raise KeyError(family)
 
 
+def _torch_rope(q, k, cos, sin):
+    """Rotate-half rotary embeddings as eager torch code writes them (Hugging Face's
+    ``apply_rotary_pos_emb``), tables at positions 0..S-1."""
+    c = cos[: q.shape[1]][None, :, None, :]
+    s = sin[: q.shape[1]][None, :, None, :]
+
+    def rotate(x):
+        x1, x2 = x[..., : c.shape[-1]], x[..., c.shape[-1]:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def _tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
 def ours(family: str) -> Callable[..., torch.Tensor]:
     """Our operator (``portable_kernels.ops``: differentiable in every family here)."""
     return getattr(ops, family)
 
 
-def moved_bytes(args: tuple, out: torch.Tensor, backward: bool) -> int:
-    """Bytes one call must move: its tensors read once and its output written once; for
-    the backward, the inputs and the incoming gradient read and a gradient per input
+def moved_bytes(args: tuple, out, backward: bool) -> int:
+    """Bytes one call must move: its tensors read once and its outputs written once; for
+    the backward, the inputs and the incoming gradients read and a gradient per input
     written."""
     size = sum(a.numel() * a.element_size() for a in args)
-    out_size = out.numel() * out.element_size()
+    out_size = sum(o.numel() * o.element_size() for o in _tuple(out))
     return 2 * size + out_size if backward else size + out_size
+
+
+def backward_call(family: str, fn: Callable, args: tuple) -> Callable[[], Any]:
+    """One backward of ``fn`` on ``args`` (its forward run once, outside), as a call."""
+    n = GRAD_ARGS.get(family, len(args))
+    leaves = [a.detach().requires_grad_() for a in args[:n]]
+    outs = _tuple(fn(*leaves, *args[n:]))
+    dys = [torch.randn_like(o) for o in outs]
+    return lambda: torch.autograd.grad(outs, leaves, dys, retain_graph=True)
 
 
 def check(family: str, fn: Callable, args: tuple) -> torch.Tensor:
     """``fn(*args)`` checked against the family's float64 reference; returns the output."""
     out = fn(*args)
     ref = plugins.host().registry.spec(family).reference(*(a.double() for a in args))
-    assert_close(out, ref, tolerance(args[0].dtype, KINDS[family]), family)
+    tol = tolerance(args[0].dtype, KINDS[family])
+    outs, refs = _tuple(out), _tuple(ref)
+    assert len(outs) == len(refs), f"{family}: {len(outs)} outputs, the reference {len(refs)}"
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert_close(o, r, tol, f"{family} output {i}")
     return out
 
 
@@ -122,11 +171,7 @@ def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: 
             if p == "fwd":
                 call = lambda fn=fn: fn(*args)  # noqa: E731
             else:
-                leaves = [a.detach().requires_grad_() for a in args]
-                grad_out = fn(*leaves)
-                dy = torch.randn_like(grad_out)
-                call = lambda g=grad_out, leaves=leaves, dy=dy: torch.autograd.grad(  # noqa: E731
-                    g, leaves, dy, retain_graph=True)
+                call = backward_call(family, fn, args)
             _common.timed(row, key, call, 0.0, args_.cudagraph)
             row["gbps"][key] = moved_bytes(args, out, p == "bwd") / (row["ms"][key] * 1e-3) / 1e9
     return row
