@@ -35,8 +35,8 @@ interrupted run keeps what it measured); with ``--plot DIR``, at the end, plots 
 ``triton.testing.perf_report`` (TFLOP/s against N per pass, dtype, head dim and masking; it
 needs pandas and matplotlib, and says so when they are missing). ``--set`` times a kernel
 module's setting instead of the shipped one (``flash_attn_gluon.PINGPONG=False``, or
-``flash_attn_gluon.MIN_KEYS={64: 0, 128: 0}`` for the Gluon variant on short sequences). Needs an NVIDIA GPU; on a CPU-only machine it exits
-with a message.
+``flash_attn_gluon.MIN_KEYS={64: 0, 128: 0}`` for the Gluon variant on short sequences).
+Needs an NVIDIA GPU; on a CPU-only machine it exits with a message.
 """
 from __future__ import annotations
 

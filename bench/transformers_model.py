@@ -26,8 +26,8 @@ kernel autotune (the warmup absorbs them; results persist in ``PK_CACHE_DIR``).
         [--sdpa-backends default,flash,cudnn] [--batch 2] [--seq 2048] [--layers 8]
         [--hidden 2048] [--heads 16] [--kv-heads 8] [--iters 10] [--warmup 3]
 
-Prints a table; with ``--json PATH`` writes it and the Markdown table beside it. Exits 1 when a check fails, 2
-when there is no CUDA GPU or no transformers.
+Prints a table; with ``--json PATH`` writes it and the Markdown table beside it. Exits 1
+when a check fails, 2 when there is no CUDA GPU or no transformers.
 """
 from __future__ import annotations
 

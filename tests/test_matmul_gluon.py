@@ -1,6 +1,7 @@
 """matmul's ``nvidia.hopper_gluon`` variant, the NVIDIA backend's own kernel
-(``backends/nvidia/gluon/``): its Gluon kernel against float64 in every operand layout, with tails in every dimension and programs walking many
-tiles; what it takes, what it leaves to ``nvidia.persistent_tma`` and why.
+(``backends/nvidia/gluon/``): its Gluon kernel against float64 in every operand layout, with
+tails in every dimension and programs walking many tiles; what it takes, what it leaves to
+``nvidia.persistent_tma`` and why.
 
 Gluon kernels do not run under Triton's interpreter, so the numerical tests need an sm_90
 GPU and skip elsewhere with the variant's own reason; selection, the predicate and the

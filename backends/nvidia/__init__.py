@@ -14,10 +14,11 @@ Emulation profiles: ``a100``, ``l40s``, ``h100``, ``h200``, ``b200``, ``rtx5090`
 ``nvidia.hopper_gluon`` ranks above ``nvidia.hopper`` (flash_attn) and
 ``nvidia.persistent_tma`` (matmul) and takes only sm_90 and the problems its Gluon kernels
 cover; the rest go to those. Its kernels are this backend's own, in ``gluon/`` with their
-launchers (the other variants are switch settings of the families' kernels). ``nvidia.blackwell`` runs ``nvidia.hopper``'s attention
-kernels on sm_100 with a table of its own (warp-specialized tiles on); ``nvidia.persistent_tma``
-and grouped_matmul's ``nvidia.tma`` serve sm_90 and sm_100 alike, each with its table.
-The sm_100 tables are compiled by ``ci/compile_matrix.py`` but have not run on a B200.
+launchers (the other variants are switch settings of the families' kernels).
+``nvidia.blackwell`` runs ``nvidia.hopper``'s attention kernels on sm_100 with a table of
+its own (warp-specialized tiles on); ``nvidia.persistent_tma`` and grouped_matmul's
+``nvidia.tma`` serve sm_90 and sm_100 alike, each with its table. The sm_100 tables are
+compiled by ``ci/compile_matrix.py`` but have not run on a B200.
 """
 from __future__ import annotations
 

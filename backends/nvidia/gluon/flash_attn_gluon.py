@@ -1,12 +1,12 @@
 """flash_attn's Hopper forward and backward written in Gluon (FlashAttention-3's schedules),
 for ``nvidia.hopper_gluon``.
 
-Why second kernels: the family's Triton kernels (``portable_kernels/kernels/flash_attn.py``) cannot get sm_90's
-overlap of the softmax with the matrix products from Triton 3.6. Its warp-specialized loop
-(``WARP_SPECIALIZE``) computed wrong outputs on the H200, and without it the compiler runs
-each program's warpgroups in lockstep, one CTA barrier per key block (see
-docs/performance.md). Gluon, Triton's lower-level language that ships with it, states the
-partitions, barriers and asynchronous MMAs by hand, so these kernels are written in it.
+Why second kernels: the family's Triton kernels (``portable_kernels/kernels/flash_attn.py``)
+cannot get sm_90's overlap of the softmax with the matrix products from Triton 3.6. Its
+warp-specialized loop (``WARP_SPECIALIZE``) computed wrong outputs on the H200, and without
+it the compiler runs each program's warpgroups in lockstep, one CTA barrier per key block
+(see docs/performance.md). Gluon, Triton's lower-level language that ships with it, states
+the partitions, barriers and asynchronous MMAs by hand, so these kernels are written in it.
 The math is the family's: the same online softmax with exp2 and the scale folded in, the
 same ``out`` and ``lse`` (fp32, natural log, (B, H, Nq)) contract and the same ``delta``
 (the family's preprocess kernel computes it), so either side runs with the family's other.

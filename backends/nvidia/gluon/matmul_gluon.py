@@ -3,10 +3,10 @@ warp-specialized product with the partitions stated by hand (CUTLASS's "cooperat
 schedule).
 
 Why a second kernel: Triton 3.6's warp-specialized loop (``WARP_SPECIALIZE`` in
-``portable_kernels/kernels/matmul.py``) specializes only 4-warp configs with 64×128 tiles on sm_90, and without it
-the compiler runs each program's warpgroups in lockstep: the copies are issued by the warps
-that also issue the MMAs, and every program's epilogue stops its MMAs (see
-docs/performance.md). In Gluon the roles are separate partitions:
+``portable_kernels/kernels/matmul.py``) specializes only 4-warp configs with 64×128 tiles on
+sm_90, and without it the compiler runs each program's warpgroups in lockstep: the copies
+are issued by the warps that also issue the MMAs, and every program's epilogue stops its
+MMAs (see docs/performance.md). In Gluon the roles are separate partitions:
 
 - a producer warp walks the program's tiles and streams the A and B blocks of each K step
   into ``STAGES`` shared-memory buffers through the copy engine (TMA), each buffer guarded
@@ -25,13 +25,13 @@ Tiles are visited in grouped order (``GROUP_M`` rows of tiles column by column, 
 ``grid = min(SMs, tiles)``.
 
 Operands: fp16 or bf16, ``a`` (M, K) and ``b`` (K, N) row- or column-major (a column-major
-operand is described through its transpose, ``A_T``/``B_T``, and read transposed from
-shared memory by the MMA), 16-byte aligned strides; the copy engine reads zeros past M, N
-and K and clips the stores, so any sizes work. Limits (``accepts`` in this
-package's ``matmul.py``, the variant's predicate): sm_90 CUDA tensors,
-Triton 3.6, and at least :data:`MIN_TILES` output tiles. Smaller problems, fp32 and fp8 take the family's
-Triton kernel (``nvidia.persistent_tma``'s switches and table), which has split-K for
-outputs with few tiles.
+operand is described through its transpose, ``A_T``/``B_T``, and read transposed from shared
+memory by the MMA), 16-byte aligned strides; the copy engine reads zeros past M, N and K and
+clips the stores, so any sizes work. Limits (``accepts`` in this package's ``matmul.py``,
+the variant's predicate): sm_90 CUDA tensors, Triton 3.6, and at least :data:`MIN_TILES`
+output tiles. Smaller problems, fp32 and fp8 take the family's Triton kernel
+(``nvidia.persistent_tma``'s switches and table), which has split-K for outputs with few
+tiles.
 """
 from __future__ import annotations
 
