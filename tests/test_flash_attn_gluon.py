@@ -607,3 +607,18 @@ def test_stages_run_through_autograd_and_the_operators(through, monkeypatch):
     out.sum().backward()
     for x, fill in zip(leaves, (3.0, 1.0, 2.0)):
         assert (x.grad == fill).all()
+
+
+def test_the_core_imports_no_gluon_and_no_backend():
+    """The vendor-neutral core (portable_kernels/) imports neither Gluon nor a backend: the
+    Gluon kernels reach it only as variants the NVIDIA backend registers."""
+    import pathlib
+
+    import portable_kernels
+
+    root = pathlib.Path(portable_kernels.__file__).parent
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if line.lstrip().startswith(("import ", "from "))
+             and ("gluon" in line or "portable_kernels_backends" in line)]
+    assert not found, found
