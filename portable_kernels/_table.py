@@ -28,22 +28,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], max_width: i
 
     Cells are cut with an ellipsis where the table would be wider: the last column first
     (it holds the long texts: reasons, descriptions), down to 20 characters, then the widest
-    of the others, so long reasons never wrap the layout.
+    of the middle columns, then the last again; the first two (what a row is: a kernel, a
+    variant) only when nothing else is left. So long reasons never wrap the layout.
     """
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     limit = max_width or width()
     excess = sum(widths) + 2 * (len(widths) - 1) - limit
-    if excess > 0:
-        cut = min(excess, max(widths[-1] - 20, 0))
-        widths[-1] -= cut
-        excess -= cut
-    while excess > 0:
-        widest = max(range(len(widths)), key=lambda i: widths[i])
-        if widths[widest] <= 4:
-            break
-        widths[widest] -= 1
-        excess -= 1
+    last = len(widths) - 1
+    for columns, floor in (([last], 20), (range(2, last), 8), ([last], 8), (range(last), 4)):
+        while excess > 0:
+            narrowable = [i for i in columns if widths[i] > floor]
+            if not narrowable:
+                break
+            widest = max(narrowable, key=lambda i: widths[i])
+            widths[widest] -= 1
+            excess -= 1
     lines = []
     for n, row in enumerate(cells):
         parts = []
