@@ -103,6 +103,14 @@ def _rope(device) -> "list[triton.Config]":
     # Per pair two loads, two stores and a cos/sin gather (cached: shared by the heads of a
     # token): 16 pairs per thread at 4 warps.
     return [triton.Config({"TILE": 2048}, num_warps=_warps(device, 4))]
+def _kv_cache_write(device) -> "list[triton.Config]":
+    # A scatter copy of one head's D elements per token: 16 tokens x D=128 fp16 is 4 KB
+    # of keys (and as much of values) per program, 32 bytes a thread at 4 warps of 32.
+    return [triton.Config({"BLOCK_T": 16}, num_warps=_warps(device, 4))]
+
+
+def _cross_entropy(device) -> "list[triton.Config]":
+    return [triton.Config({"MAX_BLOCK_V": 4096, "TILE": 4096}, num_warps=_warps(device, 8))]
 
 
 #: Tuning-table entries every GPU backend starts from (``{**MEMORY_BOUND, ...}``).
@@ -118,4 +126,9 @@ MEMORY_BOUND = {
     ("geglu", None): _vector_add,
     ("rope", None): _rope,
     ("add_rms_norm", None): _layer_norm,  # layer_norm's kernels with RMS and ADD on
+    ("kv_cache_write", None): _kv_cache_write,
+    # Vocabulary chunks of 4096 fp32 values over 8 warps (16 a thread); one row a program
+    # from there up. fused_linear_cross_entropy launches the same kernel on its chunks.
+    ("cross_entropy", None): _cross_entropy,
+    ("fused_linear_cross_entropy", None): _cross_entropy,
 }

@@ -40,7 +40,8 @@ if [[ $what == memcheck ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/dispatch_overhead.py --json "$out/dispatch.json" 2>&1 | tee "$out/dispatch.txt"
-  for b in bench/layers.py bench/matmul.py bench/flash_attn.py bench/flash_attn_memory.py; do
+  for b in bench/layers.py bench/matmul.py bench/flash_attn.py bench/flash_attn_memory.py \
+           bench/serving_attention.py; do
     [[ -f $b ]] || continue
     name=$(basename "$b" .py)
     timeout 420 python3 "$b" --json "$out/$name.json" --plot "$out/$name-plots" >"$out/$name.txt" 2>&1

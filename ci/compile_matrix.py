@@ -294,7 +294,8 @@ def memory_bound_cases(kernel: str):
     shapes = {"vector_add": ["4099"], "dropout": ["4099"], "asin": ["4099"],
               "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000"],
               "rms_norm": ["8x1000", "8x20000"], "swiglu": ["8x5000"], "geglu": ["8x5000"],
-              "rope": ["1x256x32x128"], "add_rms_norm": ["8x1000", "8x20000"]}[kernel]
+              "rope": ["1x256x32x128"], "add_rms_norm": ["8x1000", "8x20000"],
+              "kv_cache_write": ["40x8x16x8x128"]}[kernel]
 
     def cases(host, device, quick: bool):
         module = importlib.import_module(f"portable_kernels.kernels.{kernel}")
@@ -556,6 +557,73 @@ def grouped_matmul_cases(host, device, quick: bool):
                 yield variant, name, (lambda plan=plan, la=la, lb=lb: gmm.launch(plan, la, lb))
 
 
+def flash_attn_with_kvcache_cases(host, device, quick: bool):
+    """Decode over a paged and a contiguous cache with one new token appended, one split
+    (the output written directly) and four (partials and the combine kernel), at the
+    head dims decode serves; GQA group 4."""
+    from portable_kernels.kernels import flash_attn_with_kvcache as kv
+
+    for variant in selectable(host, device, kv.NAME):
+        for plan in plans(host, device, kv.NAME, variant)[:1] if quick else plans(
+                host, device, kv.NAME, variant):
+            for dtype in _dtypes(device, quick) + ([] if quick else [torch.float32]):
+                for d in (128,) if quick else (64, 128, 256):
+                    for paged in (True, False):
+                        for splits in (1, 4):
+                            name = (f"{_label(plan.configs[0], ('BLOCK_M', 'BLOCK_N'))} "
+                                    f"{_short(dtype)} D={d} {'paged' if paged else 'contiguous'} "
+                                    f"splits={splits}")
+                            q = torch.empty(2, 1, 8, d, dtype=dtype)
+                            rows = (8, 16) if paged else (2, 64)
+                            k_cache, v_cache = (torch.empty(*rows, 2, d, dtype=dtype)
+                                                for _ in range(2))
+                            k, v = (torch.empty(2, 1, 2, d, dtype=dtype) for _ in range(2))
+                            table = (torch.arange(8, dtype=torch.int32).view(2, 4) if paged
+                                     else None)
+                            seqlens = torch.tensor([30, 40], dtype=torch.int32)
+
+                            def launch(plan=plan, q=q, kc=k_cache, vc=v_cache, k=k, v=v,
+                                       table=table, seqlens=seqlens, splits=splits):
+                                kv.launch(plan, q, kc, vc, k, v, seqlens, table, causal=True,
+                                          num_splits=splits)
+
+                            yield variant, name, launch
+def loss_cases(kernel: str):
+    """cross_entropy's kernel in the pass combinations its launchers launch: for
+    cross_entropy its forward (pass 1) and backward (pass 2); for fused_linear_cross_entropy
+    both passes in one launch with the bias, in place. Each with every option off and on,
+    over a 50000-class vocabulary (the chunk loop)."""
+    options = ({}, {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0})
+
+    def cases(host, device, quick: bool):
+        for variant in selectable(host, device, kernel):
+            plan_list = plans(host, device, kernel, variant)
+            for plan in plan_list[:1] if quick else plan_list:
+                for dtype in _dtypes(device, quick) + ([] if quick else [torch.float32]):
+                    for opts in options:
+                        name = (f"{_label(plan.configs[0], ('MAX_BLOCK_V', 'TILE'))} {_short(dtype)} "
+                                f"8x50000{' options' if opts else ''}")
+                        yield variant, name, (lambda plan=plan, dtype=dtype, opts=opts:
+                                              _loss_passes(kernel, plan, dtype, opts))
+
+    return cases
+
+
+def _loss_passes(kernel: str, plan, dtype, opts) -> None:
+    from portable_kernels.kernels import cross_entropy
+
+    logits = torch.randn(8, 50000).to(dtype)
+    target = torch.randint(50000, (8,))
+    rows, lse, one = torch.empty(8), torch.empty(8), torch.ones(())
+    if kernel == "cross_entropy":
+        cross_entropy.run(plan, logits, target, loss=rows, lse=lse, **opts)
+        cross_entropy.run(plan, logits, target, lse=lse, grad=torch.empty_like(logits), scale=one,
+                          **opts)
+    else:
+        cross_entropy.run(plan, logits, target, loss=rows, lse=lse, grad=logits, scale=one,
+                          bias=torch.randn(50000).to(dtype), **opts)
+
+
 FAMILIES = {
     "vector_add": memory_bound_cases("vector_add"),
     "softmax": memory_bound_cases("softmax"),
@@ -571,6 +639,10 @@ FAMILIES = {
     "flash_attn_varlen": flash_attn_varlen_cases,
     "rope": memory_bound_cases("rope"),
     "add_rms_norm": memory_bound_cases("add_rms_norm"),
+    "kv_cache_write": memory_bound_cases("kv_cache_write"),
+    "flash_attn_with_kvcache": flash_attn_with_kvcache_cases,
+    "cross_entropy": loss_cases("cross_entropy"),
+    "fused_linear_cross_entropy": loss_cases("fused_linear_cross_entropy"),
 }
 
 

@@ -27,6 +27,10 @@ FAMILIES = (
     "grouped_matmul",
     "rope",
     "add_rms_norm",
+    "kv_cache_write",
+    "flash_attn_with_kvcache",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
 )
 
 

@@ -26,6 +26,15 @@ len``              max_seqlen_k, causal=False, sm_scale=None, *options)``
                    -> (q_out, k_out)``                                   inverse rotation
 ``add_rms_norm``   ``(x, residual, weight, eps=1e-6, offset=0.0)         our bwd kernels
                    -> (out, new_residual)``
+``kv_cache_write`` ``(k, v, k_cache, v_cache, slot_mapping) -> None``     none (in place)
+``flash_attn_with  ``(q, k_cache, v_cache, k=None, v=None, cache_seqlens,  none (inference;
+_kvcache``         block_table, causal=True, sm_scale, *options,          caches mutated)
+                   num_splits=0)``
+``cross_entropy``  ``(logits, target, ignore_index=-100,                 our bwd pass
+                   label_smoothing=0.0, z_loss=0.0, softcap=None,
+                   reduction="mean") -> loss``
+``fused_linear_    ``(hidden, weight, target, bias=None, ...) -> loss``  computed in the
+cross_entropy``    (cross_entropy's options)                             forward, scaled
 =================  ====================================================  ==================
 
 Each is a ``torch.library.custom_op`` with a fake (meta) implementation and, through
@@ -67,7 +76,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .errors import InputError
+from .errors import ArgumentError, InputError
 from .launch import launch_guard
 
 __all__ = [
@@ -85,6 +94,10 @@ __all__ = [
     "vector_add",
     "rope",
     "add_rms_norm",
+    "kv_cache_write",
+    "flash_attn_with_kvcache",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
     "OPS",
 ]
 
@@ -93,7 +106,8 @@ NAMESPACE = "portable_kernels"
 #: The public operators, as ``torch.ops.portable_kernels.<name>``.
 OPS = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
        "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
-       "rope", "add_rms_norm")
+       "rope", "add_rms_norm", "kv_cache_write", "flash_attn_with_kvcache", "cross_entropy",
+       "fused_linear_cross_entropy")
 
 # Holds the composite operators' registrations (a Library is unregistered when collected).
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -883,6 +897,307 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
 
 
 _LIB.impl("add_rms_norm", add_rms_norm, "CompositeImplicitAutograd")
+
+
+# --- kv_cache_write, flash_attn_with_kvcache -------------------------------------------------
+# Inference calls with no backward. Both write into the caches they are given, which their
+# schemas declare (mutates_args), so that torch.compile orders them against later reads of
+# the cache. cache_seqlens travels as an optional tensor plus an int (-1: none), since a
+# schema type cannot be "int or tensor".
+
+@torch.library.custom_op(f"{NAMESPACE}::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slot_mapping: Tensor) -> None:
+    """Store ``k``, ``v`` (T, H_kv, D) into the caches (contiguous (B, N_max, H_kv, D) or
+    paged (num_blocks, block_size, H_kv, D)) in place at the flat slots ``slot_mapping``
+    (T,) int32/int64 (``block * block_size + offset``; -1 skips the token)."""
+    _handle("kv_cache_write")(k, v, k_cache, v_cache, slot_mapping)
+
+
+@kv_cache_write.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flash_attn_with_kvcache",
+                         mutates_args=("k_cache", "v_cache"))
+def _flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                             k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+                             cache_seqlens: Optional[Tensor] = None, seqlen: int = -1,
+                             block_table: Optional[Tensor] = None, causal: bool = True,
+                             sm_scale: Optional[float] = None, window_left: int = -1,
+                             window_right: int = -1, softcap: float = 0.0,
+                             alibi_slopes: Optional[Tensor] = None,
+                             sinks: Optional[Tensor] = None,
+                             num_splits: int = 0) -> tuple[Tensor, Tensor]:
+    """``(out (B, Nq, H, D), lse (B, H, Nq) fp32)``; ``seqlen`` >= 0 stands for an int
+    ``cache_seqlens``."""
+    lengths = cache_seqlens if cache_seqlens is not None else (seqlen if seqlen >= 0 else None)
+    out, lse = _handle("flash_attn_with_kvcache")(
+        q, k_cache, v_cache, k, v, lengths, block_table, causal, sm_scale,
+        (window_left, window_right), softcap, alibi_slopes, sinks, num_splits, True)
+    return out, lse
+
+
+@_flash_attn_with_kvcache.register_fake
+def _(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, seqlen=-1, block_table=None,
+      causal=True, sm_scale=None, window_left=-1, window_right=-1, softcap=0.0,
+      alibi_slopes=None, sinks=None, num_splits=0):
+    b, n_q, h, d = q.shape
+    return q.new_empty((b, n_q, h, d)), q.new_empty((b, h, n_q), dtype=torch.float32)
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+                            cache_seqlens=None, block_table: Optional[Tensor] = None,
+                            causal: bool = True, sm_scale: Optional[float] = None,
+                            window_size=(-1, -1), softcap: float = 0.0,
+                            alibi_slopes: Optional[Tensor] = None,
+                            sinks: Optional[Tensor] = None, num_splits: int = 0,
+                            return_lse: bool = False):
+    """FlashAttention's ``flash_attn_with_kvcache``: q (B, Nq, H, D) over a cache
+    (B, N_max, H_kv, D), or paged (num_blocks, block_size, H_kv, D) with ``block_table``
+    (B, max_blocks) int32; ``k``/``v`` (B, N_new, H_kv, D) appended in place at
+    ``cache_seqlens`` (int32 (B,), an int, or None: full) first; causal bottom-right;
+    options as :func:`flash_attn`'s. Returns (B, Nq, H, D), and with ``return_lse`` also
+    the fp32 (B, H, Nq) log-sum-exp."""
+    tensor = isinstance(cache_seqlens, Tensor)
+    seqlen = -1
+    if cache_seqlens is not None and not tensor:
+        if (isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int)
+                or cache_seqlens < 0):
+            raise InputError(f"flash_attn_with_kvcache: cache_seqlens must be an int32 tensor, "
+                             f"an int >= 0 or None, got {cache_seqlens!r}")
+        seqlen = cache_seqlens
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ArgumentError(f"flash_attn_with_kvcache: window_size must be a pair (left, "
+                            f"right), got {window_size!r}") from None
+    out, lse = torch.ops.portable_kernels.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens if tensor else None, seqlen, block_table,
+        causal, sm_scale, left, right, softcap, alibi_slopes, sinks, num_splits)
+    return (out, lse) if return_lse else out
+# --- cross_entropy ------------------------------------------------------------------------
+# Split as layer_norm's: the backward needs the per-row log-sum-exp of the forward.
+
+def _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction) -> tuple:
+    return (ignore_index, float(label_smoothing), float(z_loss),
+            None if softcap is None else float(softcap), reduction)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_forward", mutates_args=())
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          softcap: Optional[float] = None,
+                          reduction: str = "mean") -> tuple[Tensor, Tensor]:
+    """``(loss, lse)``: the fp32 loss (reduced as ``reduction`` says) and the fp32
+    log-sum-exp of each row's (capped) logits, shape (T,), that the backward needs."""
+    plan = _handle("cross_entropy").plan(logits, target)
+    family = _family("cross_entropy")
+    args = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    family._check(logits, target, *args)
+    with _on(logits.device):
+        return family._forward(plan, logits, target, *args)
+
+
+@cross_entropy_forward.register_fake
+def _(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+      reduction="mean"):
+    rows = (logits.shape[0],)
+    loss = logits.new_empty(rows if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                           ignore_index: int = -100, label_smoothing: float = 0.0,
+                           z_loss: float = 0.0, softcap: Optional[float] = None,
+                           reduction: str = "mean") -> Tensor:
+    """The gradient of the logits (their shape and dtype) for the upstream ``grad``."""
+    plan = _handle("cross_entropy").plan(logits, target)
+    args = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    with _on(logits.device):
+        return _family("cross_entropy")._backward(plan, grad, logits, target, lse, *args)
+
+
+@cross_entropy_backward.register_fake
+def _(grad, logits, target, lse, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, *ctx.args = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits, target, output[1])
+
+
+def _cross_entropy_backward(ctx, grad, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    dlogits = cross_entropy_backward(grad, logits, target, lse, *ctx.args)
+    return (dlogits, None) + (None,) * len(ctx.args)
+
+
+cross_entropy_forward.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+_LIB.define("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, "
+            "float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
+            "str reduction=\"mean\") -> Tensor")
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: Optional[float] = None, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits`` (T, V) (fp16, bf16, fp32) against ``target`` (T,) int64
+    or int32, torch's ``label_smoothing`` and ``ignore_index``, PaLM's ``z_loss`` and
+    Gemma 2's ``softcap``. An fp32 loss: a scalar for "mean" (NaN over no counted rows, as
+    torch) and "sum", (T,) for "none". Differentiable in ``logits``."""
+    return torch.ops.portable_kernels.cross_entropy_forward(
+        logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction)[0]
+
+
+_LIB.impl("cross_entropy", cross_entropy, "CompositeImplicitAutograd")
+
+
+# --- fused_linear_cross_entropy --------------------------------------------------------------
+# "mean" and "sum" with a gradient: one op whose forward returns the loss and its gradients
+# (computed chunk by chunk), whose backward scales them. Otherwise (no gradient wanted, or
+# "none", whose per-row upstream gradient the forward cannot know): a loss-only op whose
+# backward op runs the chunks again. A bias of None is an empty gradient in the op's outputs.
+
+_FLCE = "fused_linear_cross_entropy"
+
+
+def _flce_call(hidden, weight, target, bias, options):
+    plan = _handle(_FLCE).plan(hidden, weight, target, bias)
+    family = _family(_FLCE)
+    family._check(hidden, weight, target, bias, *options)
+    return plan, family
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_forward", mutates_args=())
+def fused_linear_cross_entropy_forward(
+        hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, dhidden, dweight, dbias)`` for "mean" or "sum": the fp32 loss and its
+    gradients for an upstream gradient of 1 (``dbias`` empty without a bias)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    if reduction == "none":
+        raise InputError(f"{_FLCE}_forward: computes the gradients of a reduced loss; "
+                         "reduction='none' takes fused_linear_cross_entropy_loss")
+    plan, family = _flce_call(hidden, weight, target, bias, options)
+    with _on(hidden.device):
+        loss, dh, dw, db = family.forward(plan, hidden, weight, target, bias, options,
+                                          (True, True, bias is not None))
+    return loss, dh, dw, hidden.new_empty((0,)) if db is None else db
+
+
+@fused_linear_cross_entropy_forward.register_fake
+def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape),
+            weight.new_empty(weight.shape), db)
+
+
+def _flce_forward_setup(ctx, inputs, output):
+    ctx.has_bias = inputs[3] is not None
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:])
+
+
+def _flce_forward_backward(ctx, grad, *_grad_of_gradients):
+    dh, dw, db = ctx.saved_tensors
+    return (dh * grad, dw * grad, None, db * grad if ctx.has_bias else None) + (None,) * 5
+
+
+fused_linear_cross_entropy_forward.register_autograd(_flce_forward_backward,
+                                                     setup_context=_flce_forward_setup)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_loss", mutates_args=())
+def fused_linear_cross_entropy_loss(
+        hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+        ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+        softcap: Optional[float] = None, reduction: str = "mean") -> Tensor:
+    """The fp32 loss alone (no gradient computed in the forward)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    plan, family = _flce_call(hidden, weight, target, bias, options)
+    with _on(hidden.device):
+        return family.loss_only(plan, hidden, weight, target, bias, options)
+
+
+@fused_linear_cross_entropy_loss.register_fake
+def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+      softcap=None, reduction="mean"):
+    return hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward(
+        grad: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
+        bias: Optional[Tensor] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+        z_loss: float = 0.0, softcap: Optional[float] = None,
+        reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)`` for the upstream ``grad``, the chunks run again
+    (``dbias`` empty without a bias)."""
+    options = _ce_args(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    plan = _handle(_FLCE).plan(hidden, weight, target, bias)
+    with _on(hidden.device):
+        dh, dw, db = _family(_FLCE).backward(plan, grad, hidden, weight, target, bias, options,
+                                             (True, True, bias is not None))
+    return dh, dw, hidden.new_empty((0,)) if db is None else db
+
+
+@fused_linear_cross_entropy_backward.register_fake
+def _(grad, hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+      z_loss=0.0, softcap=None, reduction="mean"):
+    db = hidden.new_empty((0,)) if bias is None else bias.new_empty(bias.shape)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
+
+
+def _flce_loss_setup(ctx, inputs, output):
+    hidden, weight, target, bias, *ctx.args = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, target, *([bias] if ctx.has_bias else []))
+
+
+def _flce_loss_backward(ctx, grad):
+    hidden, weight, target, *bias = ctx.saved_tensors
+    dh, dw, db = fused_linear_cross_entropy_backward(grad, hidden, weight, target,
+                                                     bias[0] if bias else None, *ctx.args)
+    return (dh, dw, None, db if ctx.has_bias else None) + (None,) * len(ctx.args)
+
+
+fused_linear_cross_entropy_loss.register_autograd(_flce_loss_backward,
+                                                  setup_context=_flce_loss_setup)
+
+_LIB.define("fused_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, "
+            "Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, "
+            "float z_loss=0.0, float? softcap=None, str reduction=\"mean\") -> Tensor")
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
+                               bias: Optional[Tensor] = None, ignore_index: int = -100,
+                               label_smoothing: float = 0.0, z_loss: float = 0.0,
+                               softcap: Optional[float] = None,
+                               reduction: str = "mean") -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` for ``hidden`` (T, H),
+    ``weight`` (V, H), ``bias`` (V,) or None (one float dtype), in chunks of tokens,
+    never the (T, V) logits; cross_entropy's options and fp32 result. Differentiable in
+    ``hidden``, ``weight`` and ``bias``."""
+    args = (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if wants_grad and reduction != "none":
+        return torch.ops.portable_kernels.fused_linear_cross_entropy_forward(*args)[0]
+    return torch.ops.portable_kernels.fused_linear_cross_entropy_loss(*args)
+
+
+_LIB.impl("fused_linear_cross_entropy", fused_linear_cross_entropy, "CompositeImplicitAutograd")
 
 
 # Handles trace as these operators under torch.compile (dispatch._traced_call), and the

@@ -70,8 +70,10 @@ def max_error(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[flo
     if out64.numel() == 0:
         return 0.0, 0.0
     err = (out64 - ref64).abs()
-    both_nan = torch.isnan(out64) & torch.isnan(ref64)
-    err = torch.where(both_nan, torch.zeros_like(err), err)
+    # Equal values count as exact, equal infinities included (an LSE of -inf for a row that
+    # sees no key), and so do NaNs where the reference has NaN.
+    same = (out64 == ref64) | (torch.isnan(out64) & torch.isnan(ref64))
+    err = torch.where(same, torch.zeros_like(err), err)
     err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
     # A NaN reference (matched by a NaN above) must not make the allowed error NaN.
     allowed = tol.atol + tol.rtol * torch.nan_to_num(ref64.abs(), nan=0.0)

@@ -29,10 +29,11 @@ def _load(name: str):
 
 
 #: The maintained benchmarks: one per kind of work (elementwise and norm layers, the matmul
-#: families, attention and its memory, a model end to end) and the host's overheads; each
-#: shares _common's command line.
+#: families, attention and its memory, serving attention, a model end to end) and the host's
+#: overheads; each shares _common's command line.
 KEPT = ["layers", "matmul", "grouped_matmul", "flash_attn", "flash_attn_memory",
-        "transformers_model", "host_per_call", "host_backward", "dispatch_overhead"]
+        "serving_attention", "transformers_model", "host_per_call", "host_backward",
+        "dispatch_overhead"]
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:

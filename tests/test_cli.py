@@ -80,7 +80,10 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and "portable-kernels" in proc.stdout
 
 
-def test_list(capsys, fresh_host):
+def test_list(capsys, monkeypatch, fresh_host):
+    # A 100-column terminal, as test_info_tables_fit_100_columns: the table truncates its
+    # last column to the terminal, and under pytest-xdist that is not always 100 wide.
+    monkeypatch.setenv("COLUMNS", "100")
     fresh_host()
     code, out, _ = run_cli(capsys, "list")
     assert code == 0 and "softmax" in out and "catalog" in out

@@ -74,7 +74,9 @@ from portable_kernels.conformance import test_rope as rope_suite
 from portable_kernels.conformance import test_add_rms_norm as add_rms_norm_suite
 from portable_kernels.conformance.harness import Inputs, poisoned_allocations
 from portable_kernels.conformance.test_asin import EDGES as ASIN_EDGES
+from portable_kernels.kernels.cross_entropy import reference as cross_entropy_reference
 from portable_kernels.kernels.flash_attn import reference as flash_attn_reference
+from portable_kernels.kernels.fused_linear_cross_entropy import reference as flce_reference
 from portable_kernels.kernels.matmul import out_dtype as gemm_out_dtype
 from portable_kernels.testing import Tolerance, tolerance
 
@@ -105,6 +107,8 @@ EXAMPLES = {
     "flash_attn_varlen": 4,
     "rope": 15,
     "add_rms_norm": 12,
+    "cross_entropy": 25,
+    "fused_linear_cross_entropy": 8,
 }
 
 
@@ -320,7 +324,7 @@ def leaves(*tensors):
 
 FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
           "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
-          "rope", "add_rms_norm")
+          "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy")
 
 
 @pytest.mark.parametrize("family", pk.list_kernels())
@@ -347,6 +351,8 @@ def test_handle_differentiability():
         "flash_attn": (q, q, q),
         "rope": (q, q, *_rope_tables(4, 8)),
         "add_rms_norm": (x, x, w),
+        "cross_entropy": (x, torch.tensor([1, -100], device=DEVICE)),
+        "fused_linear_cross_entropy": (x, x, torch.tensor([1, -100], device=DEVICE)),
     }
     handle_grad = {name for name, args in calls.items()
                    if _requires_grad(pk.get_kernel(name)(*args))}
@@ -1179,6 +1185,120 @@ def test_flash_attn_varlen(dtype, case):
             scale = max(1.0, float(expect.abs().max())) if expect.numel() else 1.0
             check_output(got, expect, dtype, Tolerance(tol.atol * scale, tol.rtol),
                          f"{what} d{name}", contiguous=False)
+
+
+# --- cross_entropy, fused_linear_cross_entropy ----------------------------------------------
+
+@st.composite
+def loss_options(draw):
+    """cross_entropy's options: each off or at a few values, and a reduction."""
+    return dict(ignore_index=draw(st.sampled_from([-100, 0])),
+                label_smoothing=draw(st.sampled_from([0.0, 0.1, 1.0])),
+                z_loss=draw(st.sampled_from([0.0, 1e-3])),
+                softcap=draw(st.sampled_from([None, 5.0, 30.0])),
+                reduction=draw(st.sampled_from(["mean", "sum", "none"])))
+
+
+def make_target(rows: int, n_classes: int, ignored: float, ignore_index: int, dtype, gen):
+    target = torch.randint(n_classes, (rows,), generator=gen)
+    target[torch.rand(rows, generator=gen) < ignored] = ignore_index
+    return target.to(DEVICE, dtype)
+
+
+@st.composite
+def cross_entropy_cases(draw):
+    n_classes = draw(st.one_of(st.sampled_from([1, 33, 1025, 2500]), st.integers(1, 3000)))
+    rows = draw(shapes(1, 40, 40000 // n_classes))[0]
+    options = draw(loss_options())
+    # Logits beyond +-50 only under a cap: the fp32 exp(z - lse) of the gradient loses
+    # |lse| * 2**-24 of relative precision, more than the table allows past that.
+    scale = draw(st.sampled_from([1.0, 4.0, 12.0] + ([100.0] if options["softcap"] else [])))
+    return dict(rows=rows, n_classes=n_classes, x=draw(layouts(2)), options=options,
+                scale=scale, ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
+                target=draw(st.sampled_from([torch.int64, torch.int32])),
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("cross_entropy")
+@given(case=cross_entropy_cases())
+def test_cross_entropy(dtype, case):
+    gen = _gen(case["seed"])
+    options = case["options"]
+    x = make((case["rows"], case["n_classes"]), dtype, case["x"], gen, _normal(case["scale"]))
+    target = make_target(case["rows"], case["n_classes"], case["ignored"], options["ignore_index"],
+                         case["target"], gen)
+    x64 = x.detach().cpu().double().requires_grad_()
+    ref = cross_entropy_reference(x64, target.cpu(), **options)
+    before = snapshot(x, target)
+    tol = tolerance(dtype, "reduction")
+    for variant in runnable_variants("cross_entropy", x, target, **options):
+        with forced("cross_entropy", variant):
+            out = call("cross_entropy", case["api"], x, target, **options)
+        check_output(out, ref, torch.float32, tol, f"cross_entropy[{variant}]")
+        assert_unchanged(before, (x, target), f"cross_entropy[{variant}]")
+        if not x.numel():
+            continue
+        (mine,), _ = leaves(x)
+        g = make(ref.shape, torch.float32, ("contiguous", None), gen)
+        with forced("cross_entropy", variant):
+            y = call("cross_entropy", case["api"], mine, target, **options)
+            (got,) = torch.autograd.grad(y, mine, g)
+        (expect,) = torch.autograd.grad(ref, x64, g.cpu().double(), retain_graph=True)
+        check_output(got, expect, dtype, tol, f"cross_entropy[{variant}] dlogits")
+
+
+@st.composite
+def flce_cases(draw):
+    return dict(rows=draw(sizes(24)), width=draw(st.sampled_from([1, 8, 33, 64])),
+                n_classes=draw(st.sampled_from([1, 7, 100, 300])), bias=draw(st.booleans()),
+                hidden=draw(layouts(2)), weight=draw(layouts(2)), options=draw(loss_options()),
+                ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
+                requires=draw(st.sampled_from([(True, True, True), (True, False, False),
+                                               (False, True, True)])),
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("fused_linear_cross_entropy")
+@given(case=flce_cases())
+def test_fused_linear_cross_entropy(dtype, case):
+    gen = _gen(case["seed"])
+    rows, width, n_classes, options = case["rows"], case["width"], case["n_classes"], case["options"]
+    hidden = make((rows, width), dtype, case["hidden"], gen)
+    weight = make((n_classes, width), dtype, case["weight"], gen, _normal(2.0 / width ** 0.5))
+    bias = make((n_classes,), dtype, ("contiguous", None), gen, _normal(0.5)) if case["bias"] else None
+    target = make_target(rows, n_classes, case["ignored"], options["ignore_index"], torch.int64, gen)
+    tensors = [t for t in (hidden, weight, bias) if t is not None]
+    args64 = [t.detach().cpu().double() for t in tensors]
+    ref = flce_reference(args64[0], args64[1], target.cpu(), args64[2] if bias is not None else None,
+                         **options)
+    before = snapshot(*tensors)
+    tol = tolerance(dtype, "dot")
+    name = "fused_linear_cross_entropy"
+    for variant in runnable_variants(name, hidden, weight, target, bias, **options):
+        with forced(name, variant):
+            out = call(name, case["api"], hidden, weight, target, bias, **options)
+        check_output(out, ref, torch.float32, tol, f"{name}[{variant}]")
+        assert_unchanged(before, tensors, f"{name}[{variant}]")
+        if not rows:
+            continue
+        mine, ref64 = leaves(*tensors)
+        wanted = [i for i, r in enumerate(case["requires"][:len(tensors)]) if r]
+        for i in range(len(tensors)):
+            mine[i].requires_grad_(i in wanted)
+            ref64[i].requires_grad_(i in wanted)
+        g = make(ref.shape, torch.float32, ("contiguous", None), gen)
+        with forced(name, variant):
+            y = call(name, case["api"], mine[0], mine[1], target, mine[2] if bias is not None else None,
+                     **options)
+            grads = torch.autograd.grad(y, [mine[i] for i in wanted], g)
+        y64 = flce_reference(ref64[0], ref64[1], target.cpu(), ref64[2] if bias is not None else None,
+                             **options)
+        refs = torch.autograd.grad(y64, [ref64[i] for i in wanted], g.cpu().double())
+        for i, got, expect in zip(wanted, grads, refs):
+            what = f"{name}[{variant}] d{('hidden', 'weight', 'bias')[i]}"
+            check_output(got, expect, dtype, tol, what, contiguous=False)
 
 
 # --- defects the fuzzing found: their minimal reproducers ------------------------------------

@@ -57,6 +57,18 @@ def _sdpa(q, k, v, causal=False, sm_scale=None):
         q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _cross_entropy_reference(*args):
+    from portable_kernels.kernels.cross_entropy import reference
+
+    return reference(*args)
+
+
+def _flce_reference(*args):
+    from portable_kernels.kernels.fused_linear_cross_entropy import reference
+
+    return reference(*args)
+
+
 # name -> (inputs(gen, device, requires_grad) -> args, float64 reference, tolerance kind).
 # Shapes have tails (33 columns, 9 and 11 tokens) and GQA (4 query heads over 2).
 CASES = {
@@ -111,6 +123,19 @@ CASES = {
                                        _randn(g, d, 3, 5, 33, requires_grad=rg),
                                        _randn(g, d, 33, scale=0.2).requires_grad_(rg), 1e-6, 1.0),
                      _add_rms_norm_reference, "reduction"),
+    # Every option on, a third of the rows ignored (-100), per-row losses.
+    "cross_entropy": (lambda g, d, rg: (_randn(g, d, 6, 37, scale=3.0, requires_grad=rg),
+                                        torch.tensor([3, -100, 0, 36, -100, 5], device=d),
+                                        -100, 0.1, 1e-2, 8.0, "none"),
+                      _cross_entropy_reference, "reduction"),
+    # Three chunks of four tokens, a bias, every option; "mean": gradients from the forward.
+    "fused_linear_cross_entropy": (
+        lambda g, d, rg: (_randn(g, d, 12, 32, requires_grad=rg),
+                          _randn(g, d, 100, 32, scale=0.3, requires_grad=rg),
+                          torch.tensor([3, -100, 0, 99, 5, 7, -100, 1, 2, 50, 60, 70], device=d),
+                          _randn(g, d, 100, scale=0.3, requires_grad=rg),
+                          -100, 0.1, 1e-2, 8.0, "mean"),
+        _flce_reference, "dot"),
 }
 
 
@@ -138,8 +163,14 @@ def _flat(out):
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+#: Operators with no backward (inference calls that write caches in place): opcheck,
+#: values and torch.compile in their own test file, not through CASES.
+INFERENCE_OPS = {"kv_cache_write": "tests/test_flash_attn_kvcache.py",
+                 "flash_attn_with_kvcache": "tests/test_flash_attn_kvcache.py"}
+
+
 def test_every_kernel_is_an_op():
-    assert set(ops.OPS) == set(CASES) == set(pk.list_kernels())
+    assert set(ops.OPS) == set(CASES) | set(INFERENCE_OPS) == set(pk.list_kernels())
     for name in ops.OPS:
         assert callable(getattr(ops, name))
         assert hasattr(torch.ops.portable_kernels, name)
@@ -153,8 +184,8 @@ def test_opcheck(name, gen, device):
 
 
 def test_opcheck_stage_ops(gen, device):
-    """The forward/backward halves behind layer_norm, rms_norm, add_rms_norm, flash_attn
-    and rope."""
+    """The forward/backward halves behind layer_norm, rms_norm, add_rms_norm, flash_attn,
+    rope, cross_entropy and fused_linear_cross_entropy."""
     ln = torch.ops.portable_kernels
     x, w, b, eps = CASES["layer_norm"][0](gen, device, True)
     torch.library.opcheck(ln.layer_norm_forward.default, (x, w, b, eps))
@@ -187,6 +218,29 @@ def test_opcheck_stage_ops(gen, device):
     do = torch.randn_like(out)
     torch.library.opcheck(ln.flash_attn_backward.default,
                           (do, q.detach(), k.detach(), v.detach(), out, lse, causal, scale))
+
+    logits, target, *options = CASES["cross_entropy"][0](gen, device, True)
+    for reduction in ("mean", "none"):
+        options[-1] = reduction
+        torch.library.opcheck(ln.cross_entropy_forward.default, (logits, target, *options))
+        with torch.no_grad():
+            loss, lse = ln.cross_entropy_forward(logits, target, *options)
+        torch.library.opcheck(ln.cross_entropy_backward.default,
+                              (torch.randn_like(loss), logits.detach(), target, lse, *options))
+
+    hidden, weight, target, bias, *options = CASES["fused_linear_cross_entropy"][0](gen, device, True)
+    for reduction, b in (("sum", bias), ("mean", None)):
+        options[-1] = reduction
+        torch.library.opcheck(ln.fused_linear_cross_entropy_forward.default,
+                              (hidden, weight, target, b, *options))
+    for reduction, b in (("none", bias), ("mean", None)):
+        options[-1] = reduction
+        torch.library.opcheck(ln.fused_linear_cross_entropy_loss.default,
+                              (hidden, weight, target, b, *options))
+        grad = torch.randn(12 if reduction == "none" else (), device=device)
+        torch.library.opcheck(ln.fused_linear_cross_entropy_backward.default,
+                              (grad, hidden.detach(), weight.detach(), target,
+                               None if b is None else b.detach(), *options))
 
 
 @pytest.mark.parametrize("name", list(CASES))

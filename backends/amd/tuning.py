@@ -109,11 +109,24 @@ def _rdna_flash_attn(device: DeviceInfo) -> list[triton.Config]:
             cfg(16, 32, (16, 16))]
 
 
+def _flash_attn_with_kvcache(device: DeviceInfo) -> list[triton.Config]:
+    # 4 waves of 64 lanes on CDNA (warps clamped to 1024 threads by _common.max_warps),
+    # 16x16 MFMA instructions and the stream pipeliner's 2 stages where it pays off for
+    # flash_attn (MI300, MI350); RDNA3 (32-lane waves, WMMA): no CDNA options. Compiled
+    # only (ci/compile_matrix.py); not yet timed on a GPU.
+    kwargs = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_R": 16, "WRITE_BLOCK_T": 16}
+    if device.has("wave64"):
+        kwargs["matrix_instr_nonkdim"] = 16
+    stages = 2 if device.arch in ("gfx942", "gfx950") else 1
+    return [triton.Config(kwargs, num_warps=min(4, _common.max_warps(device)), num_stages=stages)]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
     **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
     ("matmul", None): _matmul,
     ("grouped_matmul", None): _grouped_matmul,
+    ("flash_attn_with_kvcache", None): _flash_attn_with_kvcache,
 }
 
 

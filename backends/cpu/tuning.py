@@ -44,6 +44,17 @@ _CONFIGS: dict[tuple[str, str | None], triton.Config] = {
     ("rope", None): triton.Config({"TILE": 16384}, num_warps=1),
     ("add_rms_norm", None): triton.Config({"MAX_BLOCK_N": 1024, "TILE": 16384, "GROUPS": 2},
                                           num_warps=1),
+    # Decode attention: 32 keys a step, so that test-sized caches span several key blocks
+    # (the split-K merge runs) and a step spans two 16-key pages (the gather); whole
+    # test-sized batches in one append or combine program.
+    ("flash_attn_with_kvcache", None): triton.Config(
+        {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_R": 64, "WRITE_BLOCK_T": 64}, num_warps=1),
+    ("kv_cache_write", None): triton.Config({"BLOCK_T": 64}, num_warps=1),
+    # 1024-wide vocabulary chunks: test-sized vocabularies of a few thousand still take
+    # several chunks (the online max/sum's rescaling); narrow ones pack rows per program.
+    ("cross_entropy", None): triton.Config({"MAX_BLOCK_V": 1024, "TILE": 8192}, num_warps=1),
+    ("fused_linear_cross_entropy", None): triton.Config({"MAX_BLOCK_V": 1024, "TILE": 8192},
+                                                        num_warps=1),
 }
 
 

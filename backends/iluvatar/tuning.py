@@ -39,11 +39,19 @@ def flash_attn_configs(device: DeviceInfo) -> list[triton.Config]:
     ]
 
 
+def _flash_attn_with_kvcache(device: DeviceInfo) -> list[triton.Config]:
+    # flash_attn's CoreX tiling applied to decode: 64-key steps, 4 warps of 64 lanes, no
+    # software pipelining. Not yet run on CoreX.
+    return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_R": 16, "WRITE_BLOCK_T": 16},
+                          num_warps=min(4, _common.max_warps(device)), num_stages=1)]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
     **_common.MEMORY_BOUND,
     ("flash_attn", None): flash_attn_configs,
     ("matmul", None): _matmul,
     ("grouped_matmul", None): _matmul,
+    ("flash_attn_with_kvcache", None): _flash_attn_with_kvcache,
 }
 
 

@@ -289,6 +289,15 @@ def flash_attn_blackwell(device: DeviceInfo) -> list[triton.Config]:
     ]
 
 
+def _flash_attn_with_kvcache(device: DeviceInfo) -> list[triton.Config]:
+    # Decode is a stream of K/V rows: 64 keys a step with 3 stages keeps ~100 KB of K/V
+    # loads in flight per program at D=128 (fp16); BLOCK_M is an upper bound (a decode
+    # tile packs Nq x GQA-group rows, 16 for one query of an 8-head group), so prefill
+    # chunks of several queries get 64-row tiles. Not yet timed on a GPU.
+    return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_R": 16, "WRITE_BLOCK_T": 16},
+                          num_warps=4, num_stages=3)]
+
+
 _TABLE: dict[tuple[str, str | None], Configs] = {
     **_common.MEMORY_BOUND,
     ("flash_attn", None): _flash_attn,
@@ -300,6 +309,7 @@ _TABLE: dict[tuple[str, str | None], Configs] = {
     ("matmul", "nvidia.persistent_tma"): matmul_persistent_tma,
     ("grouped_matmul", None): _grouped_matmul,
     ("grouped_matmul", "nvidia.tma"): grouped_matmul_tma,
+    ("flash_attn_with_kvcache", None): _flash_attn_with_kvcache,
 }
 
 

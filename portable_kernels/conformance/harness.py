@@ -140,7 +140,8 @@ class KernelSuite:
         tolerance: the kind in :data:`portable_kernels.testing.TOLERANCES` for outputs.
         dtypes: the input dtypes to try.
         quick_dtypes: the dtypes of the ``--pk-quick`` subset (default: ``dtypes``).
-        grad_args: positions of the arguments whose gradients the backward check compares;
+        grad_args: positions of the arguments whose gradients the backward check compares
+            (skipped in a case where that argument is None: an optional tensor left out);
             empty when the kernel has no backward.
         grad_tolerance: the tolerance kind for gradients (default: ``tolerance``).
         arg_names: names of the positional arguments, for messages (``"dx"``).
@@ -155,7 +156,7 @@ class KernelSuite:
             comes from the one table.
         out_dtype: ``out_dtype(input dtype) -> output dtype`` for kernels whose outputs do
             not have their inputs' dtype (e.g. matmul's bf16 output of fp8 operands);
-            default: the same dtype.
+            default: the same dtype. Gradients are always expected in the input dtype.
     """
 
     kernel: str
@@ -602,10 +603,12 @@ class CaseRun:
         suite = self.case.suite
         kernel = pk.get_kernel(self.case.kernel)
         args = list(inputs.args)
-        for i in suite.grad_args:
+        # An optional tensor argument left out (None, e.g. a bias) has no gradient to check.
+        grad_args = [i for i in suite.grad_args if inputs.args[i] is not None]
+        for i in grad_args:
             # detach() keeps the strides, so strided layouts stay strided.
             args[i] = args[i].detach().requires_grad_(True)
-        leaves = [args[i] for i in suite.grad_args]
+        leaves = [args[i] for i in grad_args]
         grad_inputs = Inputs(tuple(args), inputs.kwargs)
         outs, forward_s = self._timed(lambda: _flatten(suite.call(kernel, grad_inputs)))
         grad_outs = [randn(o.shape, o.dtype, o.device, gen) for o in outs]
@@ -613,13 +616,13 @@ class CaseRun:
             lambda: list(torch.autograd.grad(outs, leaves, grad_outs, allow_unused=True)))
         seconds = forward_s + backward_s
         args64 = list(inputs.args)
-        for i in suite.grad_args:
+        for i in grad_args:
             args64[i] = inputs.args[i].detach().to(torch.float64).requires_grad_(True)
-        leaves64 = [args64[i] for i in suite.grad_args]
+        leaves64 = [args64[i] for i in grad_args]
         refs_out = _flatten(suite.call(self._reference(), Inputs(tuple(args64), inputs.kwargs)))
         refs = torch.autograd.grad(refs_out, leaves64, [g.to(torch.float64) for g in grad_outs],
                                    allow_unused=True)
-        names = [f"d{suite.arg_name(i)}" for i in suite.grad_args]
+        names = [f"d{suite.arg_name(i)}" for i in grad_args]
         for name, g, r in zip(names, grads, refs):
             if g is None and r is not None:
                 self._fail(f"{name}: the kernel's backward returned no gradient")
@@ -634,7 +637,10 @@ class CaseRun:
         case, adjust = self.case, self.case.suite.tolerance_for
         rec = self.record if call == 1 else {}
         where = "" if call == 1 else f"call {call}: "
-        expected_dtype = case.dtype if case.suite.out_dtype is None else case.suite.out_dtype(case.dtype)
+        # Gradients have their inputs' dtype whatever the outputs' (cross_entropy: an fp32
+        # loss of fp16 logits).
+        expected_dtype = (case.dtype if case.suite.out_dtype is None or case.check == BACKWARD
+                          else case.suite.out_dtype(case.dtype))
         worst = (0.0, 0.0, "", table)
         for name, out, ref in zip(names, outs, refs):
             if not isinstance(out, torch.Tensor):

@@ -269,66 +269,69 @@ def _layer_norm_bwd_dx_kernel(
             db_part_ptr, n_rows, n_cols, x_row_stride, x_col_stride, dy_row_stride,
             dy_col_stride, dres_row_stride, dres_col_stride, dx_row_stride, w_offset,
             BLOCK_M, BLOCK_N, RMS, ADD)
-        return
-    # --- program id to a tile of rows, and to its partial row for dweight/dbias ---
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    cols = tl.arange(0, BLOCK_N)
-    group = pid % n_groups
-    lock = lock_ptr + group
-    dw_part = dw_part_ptr + group.to(tl.int64) * n_cols
-    db_part = db_part_ptr + group.to(tl.int64) * n_cols
-    # Rows past the end read mean = rstd = 0, so their xhat and dx are 0.
-    if RMS:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-
-    # --- pass 1: the row means of g * xhat and g (g = dy * w) ---
-    acc_gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
-        c = start + cols
-        dy, xhat, g, col_mask, mask = _bwd_chunk(
-            x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
-            x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
-        acc_gx += g * xhat
-        acc_g += g
-    c1 = tl.sum(acc_gx, axis=1) / n_cols
-    c2 = tl.sum(acc_g, axis=1) / n_cols
-
-    # --- pass 2: dx, and this tile's column sums into the group's partial row ---
-    for start in range(0, n_cols, BLOCK_N):
-        c = start + cols
-        dy, xhat, g, col_mask, mask = _bwd_chunk(
-            x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
-            x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
-        if RMS:  # the output does not depend on a mean: no mean(g) term
-            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        # Under ``else``, not after a ``return``: Triton generates the code after a
+        # return in a taken constexpr branch too, and this path's atomic_cas must not
+        # see the one-chunk launch's placeholder lock pointer.
+        # --- program id to a tile of rows, and to its partial row for dweight/dbias ---
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        cols = tl.arange(0, BLOCK_N)
+        group = pid % n_groups
+        lock = lock_ptr + group
+        dw_part = dw_part_ptr + group.to(tl.int64) * n_cols
+        db_part = db_part_ptr + group.to(tl.int64) * n_cols
+        # Rows past the end read mean = rstd = 0, so their xhat and dx are 0.
+        if RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         else:
-            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        if ADD:  # x and residual reach the output through their sum, and reach it alone too
-            dx += _load_tile(dres_ptr, rows, c, dres_row_stride, dres_col_stride, mask)
-        tl.store(dx_ptr + rows[:, None] * dx_row_stride + c[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        # Reduce the tile over its rows first, so the lock guards one row of adds.
-        part_dw = tl.sum(dy * xhat, axis=0)
-        if not RMS:
-            part_db = tl.sum(dy, axis=0)
-        # Take the lock: atomic_cas swaps 0 -> 1 and returns the old value, so a 1 back
-        # means another program holds it.
-        while tl.atomic_cas(lock, 0, 1) == 1:
-            pass
-        part_dw += tl.load(dw_part + c, mask=col_mask, other=0.0)
-        if not RMS:
-            part_db += tl.load(db_part + c, mask=col_mask, other=0.0)
-        tl.store(dw_part + c, part_dw, mask=col_mask)
-        if not RMS:
-            tl.store(db_part + c, part_db, mask=col_mask)
-        # Release: atomic_xchg orders the stores above before the lock reads 0 again.
-        tl.atomic_xchg(lock, 0)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+
+        # --- pass 1: the row means of g * xhat and g (g = dy * w) ---
+        acc_gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            dy, xhat, g, col_mask, mask = _bwd_chunk(
+                x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
+                x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
+            acc_gx += g * xhat
+            acc_g += g
+        c1 = tl.sum(acc_gx, axis=1) / n_cols
+        c2 = tl.sum(acc_g, axis=1) / n_cols
+
+        # --- pass 2: dx, and this tile's column sums into the group's partial row ---
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            dy, xhat, g, col_mask, mask = _bwd_chunk(
+                x_ptr, dy_ptr, w_ptr, w_offset, rows, c, row_mask, n_cols, mean, rstd,
+                x_row_stride, x_col_stride, dy_row_stride, dy_col_stride)
+            if RMS:  # the output does not depend on a mean: no mean(g) term
+                dx = (g - xhat * c1[:, None]) * rstd[:, None]
+            else:
+                dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if ADD:  # x and residual reach the output through their sum, and reach it alone too
+                dx += _load_tile(dres_ptr, rows, c, dres_row_stride, dres_col_stride, mask)
+            tl.store(dx_ptr + rows[:, None] * dx_row_stride + c[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            # Reduce the tile over its rows first, so the lock guards one row of adds.
+            part_dw = tl.sum(dy * xhat, axis=0)
+            if not RMS:
+                part_db = tl.sum(dy, axis=0)
+            # Take the lock: atomic_cas swaps 0 -> 1 and returns the old value, so a 1 back
+            # means another program holds it.
+            while tl.atomic_cas(lock, 0, 1) == 1:
+                pass
+            part_dw += tl.load(dw_part + c, mask=col_mask, other=0.0)
+            if not RMS:
+                part_db += tl.load(db_part + c, mask=col_mask, other=0.0)
+            tl.store(dw_part + c, part_dw, mask=col_mask)
+            if not RMS:
+                tl.store(db_part + c, part_db, mask=col_mask)
+            # Release: atomic_xchg orders the stores above before the lock reads 0 again.
+            tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
