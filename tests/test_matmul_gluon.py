@@ -315,3 +315,21 @@ def test_launch_metadata_counts_the_product():
     assert got == {"name": "_matmul_gluon_kernel [M=3, N=16, K=8]", "flops16": 2.0 * 3 * 16 * 8,
                    "bytes": 2 * (3 * 8 + 8 * 16 + 3 * 16)}
 
+
+
+def test_families_that_run_matmul_use_the_variants_launcher(monkeypatch):
+    """A family that computes its products with matmul's plan (fused_linear_cross_entropy)
+    launches them through the chosen variant's own launcher, so a product the Gluon variant
+    took runs its kernel (stood in for here), not the family's launcher with its switches."""
+    from portable_kernels.kernels import fused_linear_cross_entropy as flce
+
+    calls = []
+    monkeypatch.setattr(mg, "matmul", lambda a, b, out, num_sms, plan: (
+        calls.append((a.shape, b.shape)), out.fill_(7.0))[1])
+    h200 = plugins.host().emulation_profile("h200")
+    gluon = plugins.host().registry.variants[NAME][GLUON]
+    plan = LaunchPlan(gluon, h200, gluon.configs(h200), dict(gluon.switches))
+    handle = types.SimpleNamespace(plan=lambda a, b: plan)
+    monkeypatch.setattr(flce, "_MATMUL", [handle])
+    a, b = torch.ones(300, 40, dtype=torch.float16), torch.ones(40, 520, dtype=torch.float16)
+    assert (flce._product(a, b) == 7.0).all() and calls == [((300, 40), (40, 520))]
