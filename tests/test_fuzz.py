@@ -105,6 +105,8 @@ EXAMPLES = {
     "grouped_matmul": 14,
     "flash_attn": 14,
     "flash_attn_varlen": 4,
+    "kv_cache_write": 10,
+    "flash_attn_with_kvcache": 6,
     "rope": 15,
     "add_rms_norm": 12,
     "cross_entropy": 25,
@@ -324,7 +326,7 @@ def leaves(*tensors):
 
 FUZZED = ("vector_add", "softmax", "dropout", "asin", "layer_norm", "rms_norm", "swiglu",
           "geglu", "matmul", "grouped_matmul", "flash_attn", "flash_attn_varlen",
-          "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy")
+          "kv_cache_write", "flash_attn_with_kvcache", "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy")
 
 
 @pytest.mark.parametrize("family", pk.list_kernels())
@@ -1299,6 +1301,113 @@ def test_fused_linear_cross_entropy(dtype, case):
         for i, got, expect in zip(wanted, grads, refs):
             what = f"{name}[{variant}] d{('hidden', 'weight', 'bias')[i]}"
             check_output(got, expect, dtype, tol, what, contiguous=False)
+
+
+# --- kv_cache_write, flash_attn_with_kvcache ------------------------------------------------
+
+@st.composite
+def kv_cache_write_cases(draw):
+    paged = draw(st.booleans())
+    size = 16 * draw(st.integers(1, 2)) if paged else draw(st.integers(1, 40))
+    slots = (draw(st.integers(1, 4)) if paged else draw(st.integers(1, 3))) * size
+    t = draw(st.integers(0, min(slots, 20)))
+    return dict(paged=paged, size=size, slots=slots, t=t, h_kv=draw(st.integers(1, 3)),
+                d=draw(st.one_of(st.sampled_from([64, 16]), st.integers(1, 96))),
+                skip=draw(st.booleans()), api=draw(st.sampled_from(["handle", "ops"])),
+                seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("kv_cache_write")
+@given(case=kv_cache_write_cases())
+def test_kv_cache_write(dtype, case):
+    """Tokens to distinct random slots (some -1: skipped) of a contiguous (B, N, H_kv, D)
+    or paged (blocks, block_size, H_kv, D) cache; every other slot left as it was."""
+    from portable_kernels.kernels import kv_cache_write
+    gen = _gen(case["seed"])
+    t, h_kv, d, size, slots = (case[k] for k in ("t", "h_kv", "d", "size", "slots"))
+    k, v = (make((t, h_kv, d), dtype, ("contiguous", None), gen) for _ in range(2))
+    caches = [make((slots // size, size, h_kv, d), dtype, ("contiguous", None), gen)
+              for _ in range(2)]
+    mapping = torch.randperm(slots, generator=gen)[:t]
+    if case["skip"] and t:
+        mapping[torch.rand(t, generator=gen) < 0.3] = -1
+    mapping = mapping.to(DEVICE)
+    expect = [c.clone() for c in caches]
+    kv_cache_write.reference(k, v, *expect, mapping)
+    call("kv_cache_write", case["api"], k, v, *caches, mapping)
+    for name, got, want in zip(("k_cache", "v_cache"), caches, expect):
+        assert torch.equal(got, want), f"kv_cache_write {name}"
+
+
+@st.composite
+def flash_attn_with_kvcache_cases(draw):
+    paged = draw(st.booleans())
+    page = 16 * draw(st.integers(1, 2))
+    blocks = draw(st.integers(1, 4))
+    capacity = blocks * page if paged else draw(st.integers(1, 70))
+    n_q = draw(st.integers(1, 4))
+    new = draw(st.booleans()) and capacity >= n_q
+    b = draw(st.integers(1, 3))
+    room = capacity - (n_q if new else 0)
+    h_kv = draw(st.integers(1, 2))
+    return dict(paged=paged, page=page, blocks=blocks, capacity=capacity, n_q=n_q, new=new, b=b,
+                lengths=[draw(st.integers(0, room)) for _ in range(b)], h_kv=h_kv,
+                h=h_kv * draw(st.sampled_from([1, 2, 4])),
+                d=draw(st.one_of(st.sampled_from([64, 128]), st.integers(8, 96))),
+                causal=draw(st.booleans()),
+                window_size=draw(st.sampled_from([(-1, -1), (6, 0), (20, -1)])),
+                softcap=draw(st.sampled_from([0.0, 0.0, 4.0])), alibi=draw(st.booleans()),
+                sinks=draw(st.booleans()), num_splits=draw(st.sampled_from([0, 1, 3])),
+                api=draw(st.sampled_from(["handle", "ops"])), seed=draw(seeds))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@_fuzz("flash_attn_with_kvcache")
+@given(case=flash_attn_with_kvcache_cases())
+def test_flash_attn_with_kvcache(dtype, case):
+    """Decode over a contiguous or paged cache (NaN in every slot past a sequence's
+    length, pages in random order), new tokens appended or not, options drawn
+    independently; every variant against the float64 reference."""
+    from portable_kernels.kernels import flash_attn_with_kvcache as family
+    gen = _gen(case["seed"])
+    b, n_q, h, h_kv, d = (case[k] for k in ("b", "n_q", "h", "h_kv", "d"))
+    q = make((b, n_q, h, d), dtype, ("contiguous", None), gen)
+    if case["paged"]:
+        shape = (b * case["blocks"], case["page"], h_kv, d)
+        table = torch.randperm(b * case["blocks"], generator=gen).to(torch.int32)
+        table = table.view(b, case["blocks"]).to(DEVICE)
+    else:
+        shape, table = (b, case["capacity"], h_kv, d), None
+    caches = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    lengths = torch.tensor(case["lengths"], dtype=torch.int32, device=DEVICE)
+    for cache in caches:  # fill each sequence's first `length` slots
+        for i, n in enumerate(case["lengths"]):
+            values = torch.randn(n, h_kv, d, generator=gen).to(DEVICE, dtype)
+            if table is None:
+                cache[i, :n] = values
+            else:
+                pos = torch.arange(n, device=DEVICE)
+                cache[table[i, pos // case["page"]].long(), pos % case["page"]] = values
+    new = [make((b, n_q, h_kv, d), dtype, ("contiguous", None), gen) for _ in range(2)] \
+        if case["new"] else [None, None]
+    kwargs = dict(causal=case["causal"], window_size=case["window_size"],
+                  softcap=case["softcap"], num_splits=case["num_splits"],
+                  alibi_slopes=torch.rand(h, generator=gen).to(DEVICE) if case["alibi"] else None,
+                  sinks=torch.randn(h, generator=gen).to(DEVICE) if case["sinks"] else None)
+    ref_caches = [c.clone() for c in caches]
+    ref = family.reference(q, *ref_caches, *new, lengths, table, **kwargs)
+    tol = tolerance(dtype, "attention")
+    args = (q, *caches, *new, lengths, table)
+    for variant in runnable_variants("flash_attn_with_kvcache", *args, **kwargs):
+        mine = [c.clone() for c in caches]
+        with forced("flash_attn_with_kvcache", variant):
+            out = call("flash_attn_with_kvcache", case["api"], q, *mine, *new, lengths, table,
+                       **kwargs)
+        check_output(out, ref, dtype, tol, f"flash_attn_with_kvcache[{variant}]")
+        if case["new"]:
+            for got, want in zip(mine, ref_caches):
+                assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), "appended tokens"
 
 
 # --- defects the fuzzing found: their minimal reproducers ------------------------------------

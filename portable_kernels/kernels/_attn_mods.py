@@ -225,8 +225,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
     else:
         lse = torch.logsumexp(s, dim=-1)
-    # exp(s - lse) is 0 at hidden keys; rows with no key and no sink have lse = -inf.
-    finite = torch.isfinite(lse)
-    p = torch.where(finite[..., None], torch.exp(s - lse.masked_fill(~finite, 0)[..., None]),
-                    torch.zeros_like(s))
+    # exp(s - lse) is 0 at hidden keys; rows with no key and no sink have lse = -inf and
+    # give zeros. (A NaN score makes its row's lse NaN, and the row NaN, as softmax does.)
+    empty = torch.isneginf(lse)
+    p = torch.where(empty[..., None], torch.zeros_like(s),
+                    torch.exp(s - lse.masked_fill(empty, 0)[..., None]))
     return p @ v64, lse
