@@ -1,10 +1,12 @@
-"""What the vendor-comparison benchmarks (``matmul.py``, ``flash_attn.py``,
-``grouped_matmul.py``) share: their common options, the check that they time compiled
-kernels on an NVIDIA GPU, the header and metadata that name the machine and versions in
-every result file, and their plots."""
+"""What the benchmarks share: one command line (:func:`options`: ``--quick``, ``--json``,
+``--plot``, ``--set``; ``--dtypes`` and ``--cudagraph`` for the vendor comparisons), the
+check that they time compiled kernels on an NVIDIA GPU, the header and metadata that name
+the machine and versions in every result file, the result writer and the plots."""
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import statistics
 import sys
@@ -40,15 +42,63 @@ def per_call_us(fn: Callable[[], Any], iters: int, rounds: int = 5) -> float:
     return statistics.median(samples)
 
 
-def options(doc: str, out: str, quick: str) -> argparse.ArgumentParser:
-    """A parser with the options every benchmark takes: ``--quick`` (help ``quick``),
-    ``--out`` (default ``out``), ``--dtypes`` and ``--cudagraph``."""
+def options(doc: str, quick: str, vendor: bool = True) -> argparse.ArgumentParser:
+    """The parser every benchmark starts from: ``--quick`` (help ``quick``), ``--json PATH``
+    (the results as JSON, and the table as Markdown beside it), ``--plot DIR`` (the tables
+    drawn through ``triton.testing.perf_report``), ``--set MODULE.NAME=VALUE`` (a kernel
+    module's constant set first: a threshold or a knob, to time a setting against the
+    shipped one); with ``vendor``, also ``--dtypes`` and ``--cudagraph``."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=quick)
-    parser.add_argument("--out", default=out, help="path prefix of the result files")
-    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
-    parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write the results as JSON here, and the table as Markdown beside "
+                        "it (PATH with .md)")
+    parser.add_argument("--plot", default=None, metavar="DIR",
+                        help="draw the results into DIR (perf_report: needs pandas, matplotlib)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a kernel module's constant (a Python literal) before timing, "
+                        "e.g. matmul_gluon.MIN_TILES=1; repeatable")
+    if vendor:
+        parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16, bf16")
+        parser.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays")
     return parser
+
+
+#: Where ``--set`` looks for a module: the families, then the NVIDIA backend's own kernels.
+SETTABLE = ("portable_kernels.kernels", "portable_kernels_backends.nvidia.gluon")
+
+
+def apply_settings(assignments: Sequence[str]) -> dict[str, Any]:
+    """Apply ``--set MODULE.NAME=VALUE`` assignments; exits naming what does not exist.
+    Returns them as set, for the result file."""
+    done = {}
+    for assignment in assignments:
+        target, sep, value = assignment.partition("=")
+        module_name, _, name = target.rpartition(".")
+        if not (sep and module_name and name):
+            sys.exit(f"--set {assignment}: expected MODULE.NAME=VALUE")
+        for package in SETTABLE:
+            try:
+                module = importlib.import_module(f"{package}.{module_name}")
+                break
+            except ModuleNotFoundError:
+                continue
+        else:
+            sys.exit(f"--set: no module {module_name} in {' or '.join(SETTABLE)}")
+        if not hasattr(module, name):
+            sys.exit(f"--set: {module.__name__} has no {name}")
+        try:
+            setattr(module, name, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            sys.exit(f"--set {assignment}: {value!r} is not a Python literal")
+        done[target] = getattr(module, name)
+    return done
+
+
+def no_plots(script: str, plot: str | None) -> None:
+    """For a benchmark without plots: say so when ``--plot`` asked for them."""
+    if plot:
+        print(f"{script} draws no plots (its results are one table); --plot ignored")
 
 
 def dtypes(arg: str, choices: dict[str, torch.dtype] = DTYPES) -> list[torch.dtype]:
@@ -88,11 +138,17 @@ def meta(info: DeviceInfo, cudagraph: bool) -> dict:
             "cudagraph": cudagraph}
 
 
-def write(prefix: Path, rows: list[dict], meta_: dict, table: Callable[[list[dict]], str]) -> None:
-    """``prefix.json`` (``meta_`` and the rows) and ``prefix.md`` (``table(rows)``),
-    rewritten after every row so that a run cut short keeps what it measured."""
+def write(path: str | None, rows: list[dict], meta_: dict,
+          table: Callable[[list[dict]], str]) -> None:
+    """With ``--json PATH``: ``PATH`` (``meta_`` and the rows) and ``PATH`` with ``.md``
+    (``table(rows)``), rewritten after every row so that a run cut short keeps what it
+    measured; nothing without it."""
+    if not path:
+        return
+    prefix = Path(path)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps({**meta_, "rows": rows}, indent=1))
+    prefix.with_suffix(".json").write_text(json.dumps({**meta_, "rows": rows}, indent=1,
+                                                      default=str))
     prefix.with_suffix(".md").write_text(table(rows))
 
 
@@ -120,14 +176,16 @@ def timed(row: dict, name: str, fn: Callable[[], Any], flops: float, cudagraph: 
     row["tflops"][name] = flops / (ms * 1e-3) / 1e12
 
 
-def closing(prefix: Path, rows: list[dict], label: Callable[[dict], str], start: float) -> None:
+def closing(path: str | None, rows: list[dict], label: Callable[[dict], str],
+            start: float) -> None:
     """The end of a run's log: every row's errors (``label(row)`` names the row), and where
     the results went."""
     for r in rows:
         for name, error in r["error"].items():
             print(f"{label(r)} {name}: {error}")
-    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')} "
-          f"in {time.time() - start:.0f} s")
+    where = (f"wrote {Path(path).with_suffix('.json')} and {Path(path).with_suffix('.md')}"
+             if path else "no files written (--json PATH writes them)")
+    print(f"{where}; {time.time() - start:.0f} s")
 
 
 def plot_missing() -> str:
@@ -138,7 +196,7 @@ def plot_missing() -> str:
     return ", ".join(m for m in ("pandas", "matplotlib") if importlib.util.find_spec(m) is None)
 
 
-def save_plots(directory: Path, benchmarks: Sequence[triton.testing.Benchmark],
+def save_plots(directory: str | None, benchmarks: Sequence[triton.testing.Benchmark],
                measured: Callable[..., float]) -> str:
     """Draw ``benchmarks`` through ``triton.testing.perf_report`` into ``directory`` (one
     ``PLOT_NAME.png`` and ``.csv`` per benchmark, and ``results.html``); returns what was
@@ -147,6 +205,9 @@ def save_plots(directory: Path, benchmarks: Sequence[triton.testing.Benchmark],
     ``measured(provider=..., **x, **args)`` returns a value this run measured (NaN where it
     has none): perf_report draws the run's table rather than timing again, so a plot shows
     the numbers of the table beside it, checked before they were timed."""
+    if not directory:
+        return "plots not drawn (--plot DIR draws them)"
+    directory = Path(directory)
     missing = plot_missing()
     if missing:
         return f"plots not drawn: triton.testing.perf_report needs {missing}, not installed here"

@@ -14,7 +14,7 @@ Three ways to compute ``vector_add`` on the same small tensors (so launch cost d
 ``handle - launcher`` is the dispatch cost. A fourth row times dispatch alone, through a
 kernel whose launcher does nothing, so it is measured without any launch noise.
 
-    python bench/dispatch_overhead.py [--device cuda] [--iters 20000] [--json OUT]
+    python bench/dispatch_overhead.py [--quick] [--device cuda] [--iters 20000] [--json PATH]
 
 Host time per call is measured with ``time.perf_counter_ns`` over many calls, then the
 device is synchronized; the median of several rounds is reported.
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import portable_kernels as pk  # first: chooses the interpreter before triton is imported
 
-import argparse
-import json
 import statistics
 import time
 from typing import NamedTuple
@@ -34,6 +32,8 @@ import triton
 
 from portable_kernels import KernelSpec, Variant, dispatch, hookimpl, plugins
 from portable_kernels.kernels import vector_add
+
+import _common  # bench/, beside this script
 
 
 class _Problem(NamedTuple):
@@ -65,13 +65,16 @@ def _per_call_ns(fn, iters: int, rounds: int, sync) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.options(__doc__, "2000 calls a row, 3 rounds", vendor=False)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--iters", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--numel", type=int, default=4096)
-    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/dispatch_overhead.py", args.plot)
+    if args.quick:
+        args.iters, args.rounds = 2000, 3
 
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -112,7 +115,7 @@ def main() -> None:
         "handle": _per_call_ns(lambda: handle(x, y), args.iters, args.rounds, sync),
     }
     noop = pk.get_kernel("noop")
-    noop_iters = max(args.iters, 200000)
+    noop_iters = max(args.iters, 20000 if args.quick else 200000)
     rows["dispatch only (noop kernel)"] = _per_call_ns(lambda: noop(x), noop_iters, args.rounds, lambda: None)
     rows["python call of a no-op lambda"] = _per_call_ns(lambda: None, noop_iters, args.rounds, lambda: None)
 
@@ -127,11 +130,12 @@ def main() -> None:
     print(f"{'handle over raw launch + alloc':34s} {(rows['handle'] - rows['raw + output allocation']) / 1000:9.2f}")
     print(f"{'direct launch saves (raw - direct)':34s} {(rows['raw'] - rows['raw, direct launch']) / 1000:9.2f}"
           f"  ({direct.launches} direct launches)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": info.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
-                       "numel": args.numel, "us_per_call": {k: v / 1000 for k, v in rows.items()},
-                       "dispatch_added_us": added}, f, indent=2)
+    table = [{"path": k, "us_per_call": v / 1000} for k, v in rows.items()]
+    _common.write(args.json, table, {"device": info.to_dict(), "torch": torch.__version__,
+                                     "triton": triton.__version__, "numel": args.numel,
+                                     "settings": settings, "dispatch_added_us": added},
+                  lambda rows_: "| path | µs per call |\n|:--|--:|\n" + "".join(
+                      f"| {r['path']} | {r['us_per_call']:.2f} |\n" for r in rows_))
 
 
 if __name__ == "__main__":

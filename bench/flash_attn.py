@@ -27,14 +27,16 @@ persist in the library's tuning cache (``PK_CACHE_DIR``). The autotuner's timing
 candidate is kept in the JSON (``tuning``), which says what warp specialization is worth on
 this GPU.
 
-    python bench/flash_attn.py [--quick | --seqlens 1024,...] [--out PREFIX]
-                               [--dtypes fp16,bf16] [--cudagraph]
+    python bench/flash_attn.py [--quick | --seqlens 1024,...] [--json PATH] [--plot DIR]
+                               [--dtypes fp16,bf16] [--cudagraph] [--set MODULE.NAME=VALUE ...]
 
-Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (an interrupted run keeps what it
-measured) and, at the end, plots through ``triton.testing.perf_report`` in ``PREFIX-plots/``
-(TFLOP/s against N per pass, dtype, head dim and masking; it needs pandas and matplotlib,
-and says so when they are missing). Needs an NVIDIA GPU; on a CPU-only machine it exits
-with a message.
+With ``--json PATH``, writes ``PATH`` and the Markdown table beside it after every row (an
+interrupted run keeps what it measured); with ``--plot DIR``, at the end, plots through
+``triton.testing.perf_report`` (TFLOP/s against N per pass, dtype, head dim and masking; it
+needs pandas and matplotlib, and says so when they are missing). ``--set`` times a kernel
+module's setting instead of the shipped one (``flash_attn_gluon.PINGPONG=False``, or
+``flash_attn_gluon.MIN_KEYS={64: 0, 128: 0}`` for the Gluon variant on short sequences).
+Needs an NVIDIA GPU; on a CPU-only machine it exits with a message.
 """
 from __future__ import annotations
 
@@ -42,7 +44,6 @@ import portable_kernels as pk  # first: it chooses the interpreter before triton
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import triton
@@ -308,15 +309,15 @@ def _label(r: dict) -> str:
 
 
 def main() -> None:
-    parser = _common.options(__doc__, "flash-attn-bench", f"only (B, H, N, D, causal) in {QUICK}")
+    parser = _common.options(__doc__, f"only (B, H, N, D, causal) in {QUICK}")
     parser.add_argument("--seqlens", default="", help="comma-separated N: only those rows")
     args = parser.parse_args()
+    settings = _common.apply_settings(args.set)
     info = _common.nvidia_gpu("bench/flash_attn.py", "against cuDNN and FlashAttention SDPA",
                               "tests/test_flash_attn.py tests/test_flash_attn_hopper.py")
     dtypes = _common.dtypes(args.dtypes)
-    prefix = Path(args.out)
     header = _common.header("flash_attn", info, args.cudagraph)
-    meta = _common.meta(info, args.cudagraph)
+    meta = {**_common.meta(info, args.cudagraph), "settings": settings}
     print(header)
     print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'dtype':>9} "
           + " ".join(f"{p}:{m:>8}" for p in PASSES for m in METHODS))
@@ -329,11 +330,11 @@ def main() -> None:
             cells = [f"{cell(row, p, m):>13}" for p in PASSES for m in METHODS]
             print(f"{b:2d} {h:3d} {n:6d} {d:4d} {str(causal):>6} {row['dtype']:>9} " + " ".join(cells),
                   flush=True)
-            _common.write(prefix, out, {**meta, "elapsed_s": time.time() - start},
+            _common.write(args.json, out, {**meta, "elapsed_s": time.time() - start},
                           lambda rows_: markdown(rows_, header))
             torch.cuda.empty_cache()
-    print(_common.save_plots(Path(f"{prefix}-plots"), plot_benchmarks(out), measured(out)))
-    _common.closing(prefix, out, _label, start)
+    print(_common.save_plots(args.plot, plot_benchmarks(out), measured(out)))
+    _common.closing(args.json, out, _label, start)
 
 
 if __name__ == "__main__":

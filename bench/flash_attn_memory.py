@@ -8,8 +8,9 @@ in N; the N x N score matrix that plain attention materializes is printed next t
 scale. With ``--backward`` the same is measured for a backward pass (workspace beyond
 inputs, output, saved LSE, upstream gradient and the three gradients: the delta vector).
 
-    python bench/flash_attn_memory.py [--n 4096,16384] [--heads 16] [--dim 128]
+    python bench/flash_attn_memory.py [--quick] [--n 4096,16384] [--heads 16] [--dim 128]
                                       [--dtype fp16] [--causal] [--backward] [--variant NAME]
+                                      [--json PATH] [--set MODULE.NAME=VALUE ...]
 
 Needs a CUDA (or ROCm) GPU; on a CPU-only machine it exits with a message.
 """
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
-import argparse
 import sys
 
 import torch
+
+import _common
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -68,7 +70,7 @@ def measure(n: int, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _common.options(__doc__, "the first two lengths of --n, B=1 H=4", vendor=False)
     p.add_argument("--n", default="4096,16384", help="comma-separated sequence lengths")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
@@ -78,28 +80,37 @@ def main(argv=None) -> int:
     p.add_argument("--backward", action="store_true", help="also measure a backward pass")
     p.add_argument("--variant", help="force a flash_attn variant (default: the one selected)")
     args = p.parse_args(argv)
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/flash_attn_memory.py", args.plot)
+    if args.quick:
+        args.batch, args.heads = 1, 4
     if not torch.cuda.is_available():
         sys.exit("flash_attn_memory: needs a CUDA or ROCm GPU (torch.cuda.is_available() is "
                  "False); peak-memory counters exist only for GPU allocations.")
 
-    sizes = [int(s) for s in args.n.split(",")]
+    sizes = [int(s) for s in args.n.split(",")][:2 if args.quick else None]
     forced = {"flash_attn": args.variant} if args.variant else {}
     with pk.use_variant(**forced):
         q = torch.empty(1, 1, 1, args.dim, device="cuda", dtype=DTYPES[args.dtype])
         variant = pk.explain("flash_attn", q, q, q, causal=args.causal).variant
         rows = [measure(n, args) for n in sizes]
 
-    print(f"flash_attn ({variant}) on {torch.cuda.get_device_name()}: B={args.batch} "
-          f"H={args.heads} D={args.dim} {args.dtype}{' causal' if args.causal else ''}")
+    lines = [f"flash_attn ({variant}) on {torch.cuda.get_device_name()}: B={args.batch} "
+             f"H={args.heads} D={args.dim} {args.dtype}{' causal' if args.causal else ''}"]
     cols = ["N", "inputs MiB", "output MiB", "fwd extra MiB", "LSE MiB"]
     cols += ["bwd extra MiB"] if args.backward else []
     cols += ["N x N scores MiB"]
-    print(" | ".join(f"{c:>14}" for c in cols))
+    lines.append(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
         cells = [f"{r['n']:>14}"] + [f"{_mib(r[k]):>14}" for k in ("inputs", "output", "forward", "lse")]
         cells += [f"{_mib(r['backward']):>14}"] if args.backward else []
         cells += [f"{_mib(r['scores']):>14}"]
-        print(" | ".join(cells))
+        lines.append(" | ".join(cells))
+    print("\n".join(lines))
+    _common.write(args.json, rows, {"device": torch.cuda.get_device_name(), "variant": variant,
+                                    "torch": torch.__version__, "settings": settings,
+                                    "args": vars(args)},
+                  lambda _rows: "\n".join(lines) + "\n")
     if len(rows) >= 2:
         a, b = rows[0], rows[-1]
         grow_n = b["n"] / a["n"]

@@ -23,16 +23,15 @@ the host's time per call included (``--cudagraph``: graph replays, the kernels a
 TFLOP/s count ``2 * T_g * N * K`` per expert.
 
     python bench/grouped_matmul.py [--quick] [--dtypes bf16,fp16,fp8e4m3] [--layouts row,col]
-                                   [--cudagraph] [--out PREFIX]
+                                   [--cudagraph] [--json PATH] [--set MODULE.NAME=VALUE ...]
 
-Writes ``PREFIX.json`` and ``PREFIX.md`` after every row.
+With ``--json PATH``, writes ``PATH`` and the Markdown table beside it after every row.
 """
 from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
 import time
-from pathlib import Path
 
 import torch
 
@@ -182,16 +181,17 @@ def markdown(rows: list[dict], header: str) -> str:
 
 
 def main() -> None:
-    parser = _common.options(__doc__, "grouped-matmul-bench", "two layers only")
+    parser = _common.options(__doc__, "two layers only")
     parser.add_argument("--layouts", default="row,col", help="comma-separated: row, col")
     args = parser.parse_args()
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/grouped_matmul.py", args.plot)
     info = _common.nvidia_gpu("bench/grouped_matmul.py", "torch's grouped GEMMs",
                               "tests/test_grouped_matmul.py")
     dtypes = _common.dtypes(args.dtypes, {**_common.DTYPES, **_common.FP8})
     layouts = [x for x in args.layouts.split(",") if x]
     if not layouts or set(layouts) - {"row", "col"}:
         parser.error("--layouts: choose among row, col")
-    prefix = Path(args.out)
     header = _common.header("grouped_matmul", info, args.cudagraph)
     print(header, flush=True)
     rows, start = [], time.time()
@@ -202,10 +202,11 @@ def main() -> None:
                 rows.append(row)
                 print(f"{row['layer']:>16} G={row['G']:<3} T={row['tokens']:<6} {row['dtype']:>8} "
                       f"b {layout}: " + "  ".join(f"{m} {_cell(row, m)}" for m in METHODS), flush=True)
-                _common.write(prefix, rows, {**_common.meta(info, args.cudagraph),
-                                             "elapsed_s": time.time() - start},
+                _common.write(args.json, rows, {**_common.meta(info, args.cudagraph),
+                                                "settings": settings,
+                                                "elapsed_s": time.time() - start},
                               lambda rows_: markdown(rows_, header))
-    _common.closing(prefix, rows, lambda r: f"{r['layer']} T={r['tokens']} {r['dtype']} b {r['layout']}",
+    _common.closing(args.json, rows, lambda r: f"{r['layer']} T={r['tokens']} {r['dtype']} b {r['layout']}",
                     start)
 
 

@@ -15,14 +15,14 @@ call is host time: ``--iters`` calls, then one synchronize, median of five
   of its own; the pair tells whether our launcher's Python costs more there;
 - ``_backward``'s four allocations, and each of its three launches alone.
 
-    python bench/host_backward.py [--shape 1x2x256x64] [--dtype bf16] [--full]
-        [--variant nvidia.hopper] [--rounds 3] [--iters 1000]
+    python bench/host_backward.py [--quick] [--shape 1x2x256x64] [--dtype bf16] [--full]
+        [--variant nvidia.hopper] [--rounds 3] [--iters 1000] [--json PATH]
+        [--set MODULE.NAME=VALUE ...]
 """
 from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
-import argparse
 import math
 import queue
 import statistics
@@ -107,16 +107,18 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
         plan = pk.get_kernel("flash_attn").plan(q, k, v, causal=causal)
     ours = fa.launch(plan, q, k, v, causal=causal)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    out, lse = fa._forward(plan, qd, kd, vd, causal, scale)
+    stages = fa.stages(plan)
+    out, lse = stages.forward(plan, qd, kd, vd, causal, scale)
 
     def backward():
-        return fa._backward(plan, dout, qd, kd, vd, out, lse, causal, scale)
+        return stages.backward(plan, dout, qd, kd, vd, out, lse, causal, scale)
 
     grads = backward()
 
     def ours_noop():
         real = fa._backward
-        fa._backward = lambda *args: grads
+        fa._backward = lambda *args, return_delta=False, **kwargs: (
+            (*grads, delta) if return_delta else grads)
         try:
             torch.autograd.grad(ours, leaves, dout, retain_graph=True)
         finally:
@@ -152,7 +154,8 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _common.options(__doc__.split("\n\n")[0], "one round of 100 calls per piece",
+                             vendor=False)
     parser.add_argument("--shape", default="1x2x256x64", help="BxHxNxD (default: 1x2x256x64)")
     parser.add_argument("--dtype", default="bf16", help="fp16 or bf16 (default: bf16)")
     parser.add_argument("--full", action="store_true", help="full attention (default: causal)")
@@ -160,7 +163,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=1000)
     args = parser.parse_args()
-    _common.nvidia_gpu("bench/host_backward.py", "our backward's host time against cuDNN's",
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/host_backward.py", args.plot)
+    if args.quick:
+        args.rounds, args.iters = 1, 100
+    info = _common.nvidia_gpu("bench/host_backward.py", "our backward's host time against cuDNN's",
                        "tests/test_flash_attn.py")
     shape = tuple(int(x) for x in args.shape.split("x"))
     dtype = _common.dtypes(args.dtype)[0]
@@ -174,9 +181,15 @@ def main() -> None:
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds "
           f"(rotating order), {args.iters} calls then one synchronize, median of 5")
     width = max(map(len, names))
+    rows = []
     for name in names:
         row = "  ".join(f"{t:7.1f}" for t in timings[name])
         print(f"{name:{width}s}  {row}   median {statistics.median(timings[name]):7.1f}")
+        rows.append({"piece": name, "us": timings[name], "median_us": statistics.median(timings[name])})
+    _common.write(args.json, rows, {**_common.meta(info, False), "args": vars(args),
+                                    "settings": settings},
+                  lambda rows_: "| piece | median µs |\n|:--|--:|\n" + "".join(
+                      f"| {r['piece']} | {r['median_us']:.1f} |\n" for r in rows_))
 
 
 if __name__ == "__main__":

@@ -15,18 +15,17 @@ a gauge of the host's drift. Inputs are fresh ``torch.randn`` draws. The table g
 median over rounds and the median of each round's JIT / direct ratio (two passes next to
 each other in time).
 
-    python bench/host_per_call.py [--rounds 3] [--iters 2000] [--out PREFIX]
+    python bench/host_per_call.py [--quick] [--rounds 3] [--iters 2000] [--json PATH]
+                                  [--set MODULE.NAME=VALUE ...]
 
-Writes ``PREFIX.json`` and ``PREFIX.md``.
+With ``--json PATH``, writes it and the Markdown table beside it.
 """
 from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
-import argparse
 import os
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -98,11 +97,14 @@ def measure(iters: int, flag: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.options(__doc__, "one round of 200 calls per case", vendor=False)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--out", default="host-per-call", help="path prefix of the result files")
     args = parser.parse_args()
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/host_per_call.py", args.plot)
+    if args.quick:
+        args.rounds, args.iters = 1, 200
     info = _common.nvidia_gpu("bench/host_per_call.py", "against torch's operators", "tests/test_direct.py")
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     for r in range(args.rounds):
@@ -129,10 +131,11 @@ def main() -> None:
                      f"{r['jit_over_direct']:.2f} | {r['direct'] / r['torch']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    prefix = Path(args.out)
-    _common.write(prefix, rows, {**_common.meta(info, False), "rounds": args.rounds, "iters": args.iters,
-                                 "runs": runs}, lambda _: table)
-    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+    _common.write(args.json, rows, {**_common.meta(info, False), "rounds": args.rounds,
+                                    "iters": args.iters, "settings": settings, "runs": runs},
+                  lambda _: table)
+    if args.json:
+        print(f"wrote {args.json} and its .md")
 
 
 if __name__ == "__main__":

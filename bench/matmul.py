@@ -29,13 +29,16 @@ a model's layers stream weights that L2 does not hold; ``do_bench`` without grap
 L2 before each call itself). The first call of each problem size autotunes
 our kernels; results persist in the library's tuning cache (``PK_CACHE_DIR``).
 
-    python bench/matmul.py [--quick | --shapes MxNxK,...] [--out PREFIX] [--dtypes fp16,bf16,fp8e4m3]
-                           [--cudagraph [--cold]]
+    python bench/matmul.py [--quick | --shapes MxNxK,...] [--json PATH] [--plot DIR]
+                           [--dtypes fp16,bf16,fp8e4m3] [--cudagraph [--cold]]
+                           [--set MODULE.NAME=VALUE ...]
 
-Writes ``PREFIX.json`` and ``PREFIX.md`` after every row (so an interrupted run keeps what
-it measured) and, at the end, plots through ``triton.testing.perf_report`` in
-``PREFIX-plots/`` (TFLOP/s against the size of square problems and against M for each
-(N, K); it needs pandas and matplotlib, and says so when they are missing).
+With ``--json PATH``, writes ``PATH`` and the Markdown table beside it after every row (so an
+interrupted run keeps what it measured); with ``--plot DIR``, at the end, plots through
+``triton.testing.perf_report`` (TFLOP/s against the size of square problems and against M
+for each (N, K); it needs pandas and matplotlib, and says so when they are missing).
+``--set`` times a kernel module's setting (``matmul_gluon.STAGES=4``, a threshold such as
+``matmul_gluon.MIN_TILES=1``) instead of the shipped one.
 """
 from __future__ import annotations
 
@@ -44,7 +47,6 @@ import portable_kernels as pk  # first: it chooses the interpreter before triton
 import dataclasses
 import functools
 import time
-from pathlib import Path
 
 import torch
 import triton
@@ -339,21 +341,22 @@ def measured(rows: list[dict]):
 
 
 def main() -> None:
-    parser = _common.options(__doc__, "matmul-bench", f"only {QUICK}")
+    parser = _common.options(__doc__, f"only {QUICK}")
     parser.add_argument("--shapes", default="", help="comma-separated MxNxK list instead")
     parser.add_argument("--cold", action="store_true",
                         help="with --cudagraph: rotate through operand copies larger than L2")
     args = parser.parse_args()
     if args.cold and not args.cudagraph:
         parser.error("--cold needs --cudagraph: do_bench without graphs flushes L2 before each call")
+    settings = _common.apply_settings(args.set)
     info = _common.nvidia_gpu("bench/matmul.py", "cuBLAS, TMA", "tests/test_matmul.py")
     dtypes = _common.dtypes(args.dtypes, {**_common.DTYPES, **_common.FP8})
     lt = cublaslt_matmul()
-    prefix = Path(args.out)
     header = (_common.header("matmul", info, args.cudagraph)
               + (" · cold operands (copies larger than L2)" if args.cold else "")
               + ("" if lt is not None else " · cuBLASLt binding not available"))
-    meta = {**_common.meta(info, args.cudagraph), "cublaslt": lt is not None, "cold": args.cold}
+    meta = {**_common.meta(info, args.cudagraph), "cublaslt": lt is not None, "cold": args.cold,
+            "settings": settings}
     print(header)
     print(f"{'M':>6} {'N':>6} {'K':>6} {'dtype':>8} " + " ".join(f"{m:>20}" for m in METHODS))
     rows = []
@@ -371,10 +374,10 @@ def main() -> None:
                 else:
                     cells.append(_failure(row["error"].get(name, "not timed")))
             print(f"{m:6d} {n:6d} {k:6d} {row['dtype']:>8} " + " ".join(f"{c:>20}" for c in cells), flush=True)
-            _common.write(prefix, rows, {**meta, "elapsed_s": time.time() - start},
+            _common.write(args.json, rows, {**meta, "elapsed_s": time.time() - start},
                           lambda rows_: markdown(rows_, header))
-    print(_common.save_plots(Path(f"{prefix}-plots"), plot_benchmarks(rows), measured(rows)))
-    _common.closing(prefix, rows, lambda r: f"{r['M']}x{r['N']}x{r['K']} {r['dtype']}", start)
+    print(_common.save_plots(args.plot, plot_benchmarks(rows), measured(rows)))
+    _common.closing(args.json, rows, lambda r: f"{r['M']}x{r['N']}x{r['K']} {r['dtype']}", start)
 
 
 if __name__ == "__main__":

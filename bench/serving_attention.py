@@ -22,10 +22,11 @@ wrong result is reported and not timed. Device times are the median of
 ``triton.testing.do_bench`` (``--cudagraph``: of CUDA-graph replays).
 
     python bench/serving_attention.py [--quick] [--batches 1,8,64] [--keys 1024,...]
-                                      [--layouts paged,contiguous] [--out PREFIX]
-                                      [--dtypes bf16] [--cudagraph]
+                                      [--layouts paged,contiguous] [--json PATH]
+                                      [--dtypes bf16] [--cudagraph] [--set MODULE.NAME=VALUE]
 
-Writes ``PREFIX.json`` and ``PREFIX.md`` after every row. Needs an NVIDIA GPU; on a
+With ``--json PATH``, writes it and the Markdown table beside it after every row. Needs an
+NVIDIA GPU; on a
 CPU-only machine it exits with a message. Rows whose caches do not fit in the GPU's
 memory are skipped and say so.
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
 import time
-from pathlib import Path
 
 import torch
 import triton
@@ -163,8 +163,7 @@ def _table(header: str):
 
 
 def main() -> None:
-    parser = _common.options(__doc__, "bench/results/serving_attention",
-                             "B in {1, 64}, keys in {8k, 128k}, paged only")
+    parser = _common.options(__doc__, "B in {1, 64}, keys in {8k, 128k}, paged only")
     parser.set_defaults(dtypes="bf16")
     parser.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     parser.add_argument("--keys", default="1024,8192,32768,131072",
@@ -172,12 +171,13 @@ def main() -> None:
     parser.add_argument("--layouts", default="paged,contiguous",
                         help="comma-separated: paged (16-key blocks), contiguous")
     args = parser.parse_args()
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/serving_attention.py", args.plot)
     info = _common.nvidia_gpu("bench/serving_attention.py", "torch SDPA",
                               "tests/test_flash_attn_kvcache.py")
     batches, keys, layouts = _ints(args.batches), _ints(args.keys), args.layouts.split(",")
     if args.quick:
         batches, keys, layouts = [1, 64], [8192, 131072], ["paged"]
-    prefix = Path(args.out)
     header = _common.header("flash_attn_with_kvcache (decode)", info, args.cudagraph)
     rows, start = [], time.time()
     for dtype in _common.dtypes(args.dtypes):
@@ -185,10 +185,11 @@ def main() -> None:
             for b in batches:
                 for n in keys:
                     rows.append(_row(b, n, layout, dtype, args.cudagraph))
-                    _common.write(prefix, rows, _common.meta(info, args.cudagraph), _table(header))
+                    _common.write(args.json, rows, {**_common.meta(info, args.cudagraph),
+                                                    "settings": settings}, _table(header))
                     torch.cuda.empty_cache()
     print(_table(header)(rows))
-    _common.closing(prefix, rows, lambda r: f"B={r['batch']} keys={r['keys']} {r['layout']}",
+    _common.closing(args.json, rows, lambda r: f"B={r['batch']} keys={r['keys']} {r['layout']}",
                     start)
 
 

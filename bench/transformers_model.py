@@ -22,12 +22,12 @@ input ids) with CUDA events: the median of ``--iters`` runs after ``--warmup`` r
 and tokens/second, plus the peak memory of the forward + backward. The first calls of our
 kernel autotune (the warmup absorbs them; results persist in ``PK_CACHE_DIR``).
 
-    python bench/transformers_model.py [--out PREFIX] [--dtypes bf16,fp16]
+    python bench/transformers_model.py [--quick] [--json PATH] [--dtypes bf16,fp16]
         [--sdpa-backends default,flash,cudnn] [--batch 2] [--seq 2048] [--layers 8]
         [--hidden 2048] [--heads 16] [--kv-heads 8] [--iters 10] [--warmup 3]
 
-Prints a table; writes ``PREFIX.json`` and ``PREFIX.md``. Exits 1 when a check fails, 2
-when there is no CUDA GPU or no transformers.
+Prints a table; with ``--json PATH`` writes it and the Markdown table beside it. Exits 1
+when a check fails, 2 when there is no CUDA GPU or no transformers.
 """
 from __future__ import annotations
 
@@ -35,13 +35,12 @@ import portable_kernels as pk  # first: it chooses the interpreter before triton
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
+import _common
 from portable_kernels.testing import tolerance
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,9 +48,8 @@ PK = "portable_kernels"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("transformers_model"),
-                   help="output prefix: PREFIX.json and PREFIX.md")
+    p = _common.options(__doc__.split("\n\n")[0], "2 layers, sequence 512, bf16, 3 timed "
+                        "iterations", vendor=False)
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--sdpa-backends", default="default,flash,cudnn",
                    help="SDPA rows: default (torch's choice), flash, cudnn, efficient, math")
@@ -66,7 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.seq, args.dtypes, args.iters = 2, 512, "bf16", 3
+    return args
 
 
 def sdpa_context(backend: str):
@@ -243,6 +244,8 @@ def markdown(rows: list[dict], checks: list[dict], meta: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    settings = _common.apply_settings(args.set)
+    _common.no_plots("bench/transformers_model.py", args.plot)
     if not torch.cuda.is_available():
         print("bench/transformers_model.py times a model on a CUDA GPU; torch sees none here "
               "(on a CPU, tests/test_transformers.py checks the same integration on a tiny "
@@ -273,12 +276,12 @@ def main(argv=None) -> int:
                   f"{args.intermediate}, vocab {args.vocab}")
     meta = {"model": model_desc, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
-            "batch": args.batch, "seq": args.seq, "iters": args.iters, "warmup": args.warmup}
+            "batch": args.batch, "seq": args.seq, "iters": args.iters, "warmup": args.warmup,
+            "settings": settings}
     print(f"{meta['device']}: {model_desc}; batch {args.batch} x {args.seq}", flush=True)
 
     rows: list[dict] = []
     checks: list[dict] = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.dtypes.split(","):
         if name not in DTYPES:
             print(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}", file=sys.stderr)
@@ -287,9 +290,8 @@ def main(argv=None) -> int:
         rows += dtype_rows
         checks.append(check)
         # After every dtype, so an interrupted run keeps what it measured.
-        args.out.with_suffix(".json").write_text(
-            json.dumps({**meta, "checks": checks, "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text(markdown(rows, checks, meta))
+        _common.write(args.json, rows, {**meta, "checks": checks},
+                      lambda rows_: markdown(rows_, checks, meta))
     print()
     print(markdown(rows, checks, meta))
     return 0 if all(c["ok"] for c in checks) else 1

@@ -365,7 +365,7 @@ def flash_attn_cases(host, device, quick: bool):
     names = selectable(host, device, "flash_attn")
     for variant in names:
         plan_list = plans(host, device, "flash_attn", variant)
-        if plan_list and plan_list[0].switches.get("GLUON_FORWARD"):
+        if variant == "nvidia.hopper_gluon":
             continue  # below: the Gluon kernels have one tile each, no table
         tma = bool(plan_list and plan_list[0].switches.get("TMA"))
         if quick:
@@ -443,7 +443,7 @@ def _flash_attn_gluon_cases(dtypes, variant: str):
     # nvidia.hopper_gluon: its forward and dk/dv kernels are Gluon (one tile each, no
     # table); the rest of its backward is nvidia.hopper's, compiled with that variant.
     from portable_kernels.kernels import flash_attn as fa
-    from portable_kernels.kernels import flash_attn_gluon as fg
+    from portable_kernels_backends.nvidia.gluon import flash_attn_gluon as fg
 
     # Compiled on every Triton, also where the variant declines to run (TRITON_OK): a
     # release that breaks its Gluon shows here before anyone enables it there.
@@ -490,7 +490,7 @@ def matmul_cases(host, device, quick: bool):
     names = selectable(host, device, "matmul")
     for variant in names:
         plan_list = plans(host, device, "matmul", variant)
-        if plan_list and plan_list[0].switches.get("GLUON"):
+        if variant == "nvidia.hopper_gluon":
             continue  # below: one tile, no table
         if quick:
             plan_list = (plan_list[:1]
@@ -517,7 +517,7 @@ def matmul_cases(host, device, quick: bool):
     if "nvidia.hopper_gluon" in names:
         # The Gluon kernel (one tile, no table), every operand layout; compiled on every
         # Triton, also where the variant declines to run (TRITON_OK).
-        from portable_kernels.kernels import matmul_gluon as mg
+        from portable_kernels_backends.nvidia.gluon import matmul_gluon as mg
 
         for dtype in dtypes:
             for a_col in (False, True):

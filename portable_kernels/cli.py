@@ -1,11 +1,13 @@
 """The ``portable-kernels`` command: what this machine runs, and why.
 
-    portable-kernels info [--device DEV] [--json]
-    portable-kernels list [--json]
-    portable-kernels explain KERNEL [--device DEV] [--json]
+    portable-kernels info [--device DEV] [--verbose] [--json]
+    portable-kernels list [--verbose] [--json]
+    portable-kernels explain KERNEL [--device DEV] [--verbose] [--json]
 
 Subcommands of other parts of the library (the conformance suite, tuning) register
 themselves in ``SUBCOMMANDS`` below. The CLI owns the terminal: library code never prints.
+By default every line fits 100 columns (``_table.WIDTH``; a narrower terminal: its width),
+long texts cut in tables; ``--verbose`` prints them whole (wrapped), ``--json`` all of it.
 """
 from __future__ import annotations
 
@@ -13,14 +15,13 @@ import argparse
 import importlib
 import json
 import sys
-import textwrap
 from typing import Callable
 
 import torch
 import triton
 
 from . import __version__, dispatch, plugins
-from ._table import table
+from ._table import fill, table
 from .device import CAPABILITIES
 from .errors import DeviceError, PortableKernelsError
 
@@ -34,6 +35,11 @@ def _device_arg(parser: argparse.ArgumentParser) -> None:
 
 def _json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _verbose_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"{what} in full, wrapped (by default cut to fit 100 columns)")
 
 
 def _device(args: argparse.Namespace) -> torch.device | None:
@@ -97,36 +103,45 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0 if info else 1
 
-    print(f"portable-kernels {__version__} · triton {triton.__version__} · torch {torch.__version__}")
+    print(fill(f"portable-kernels {__version__} · triton {triton.__version__} · torch {torch.__version__}"))
     print()
     if info is None:
-        print(f"Device: unavailable: {out['device_error']}")
+        print(fill(f"Device: unavailable: {out['device_error']}"))
     else:
         emu = f" [emulating {info.emulated!r}; kernels run on the real device]" if info.emulated else ""
-        print(f"Device: {info.name} ({info.vendor} {info.arch}){emu}")
+        print(fill(f"Device: {info.name} ({info.vendor} {info.arch}){emu}"))
         if info.has("interpreter"):
             # num_sms counts CPU cores here, and the interpreter has no shared memory to size.
-            print(f"  kernels run in Triton's interpreter on {info.num_sms} CPU core(s) · "
-                  f"warp size {info.warp_size} · triton {info.triton_version}")
+            print(fill(f"kernels run in Triton's interpreter on {info.num_sms} CPU core(s) · "
+                       f"warp size {info.warp_size} · triton {info.triton_version}", "  "))
         else:
-            print(f"  warp size {info.warp_size} · {info.num_sms} SMs/CUs · "
-                  f"shared memory {info.shared_memory} B/program · triton {info.triton_version}")
-        print(f"  fingerprint {info.fingerprint}")
+            print(fill(f"warp size {info.warp_size} · {info.num_sms} SMs/CUs · shared memory "
+                       f"{info.shared_memory} B/program · triton {info.triton_version}", "  "))
+        print(fill(f"fingerprint {info.fingerprint}", "  "))
         if info.evidence:
-            print(f"  kernels on {info.arch}: {info.evidence}")
-        print(_capability_heading(info))
+            print(fill(f"kernels on {info.arch}: {info.evidence}", "  "))
+        print(fill(_capability_heading(info)))
         print(table(["capability", "meaning"],
                     [(c, CAPABILITIES.get(c, "")) for c in sorted(info.capabilities)]))
     print()
     print("Plugins" + ("" if host.autoload else " (entry-point autoload off: PK_DISABLE_PLUGIN_AUTOLOAD)") + ":")
     print(table(["plugin", "source"], [(p["name"], p["source"]) for p in out["plugins"]]) if out["plugins"] else "  none")
-    print(textwrap.fill(f"Emulation profiles: {', '.join(out['emulation_profiles']) or 'none'}",
-                        width=100, subsequent_indent="  "))
+    print(fill(f"Emulation profiles: {', '.join(out['emulation_profiles']) or 'none'}"))
     if host.failures:
         print()
         print("Failed plugins (skipped; a failing variant callback sets aside only that variant):")
-        print(table(["plugin", "stage", "error"], [(f.plugin, f.stage, f.error) for f in host.failures]))
-    if info is not None:
+        if args.verbose:
+            for f in host.failures:
+                print(fill(f"{f.plugin} ({f.stage}): {f.error}", "  "))
+        else:
+            print(table(["plugin", "stage", "error"], [(f.plugin, f.stage, f.error) for f in host.failures]))
+    if info is not None and args.verbose:
+        print()
+        print("Selection (portable-kernels explain KERNEL: why each other variant was passed over):")
+        for r in out["kernels"]:
+            print(fill(f"{r['kernel']}: {r['variant'] or '-'}: {r['reason']}", "  "))
+            print(fill(f"runnable here, best first: {', '.join(r['runnable']) or 'none'}", "    "))
+    elif info is not None:
         # Two tables, each with its long column last (the only one the table truncates),
         # so that both fit a terminal.
         print()
@@ -137,6 +152,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("Runnable here (requirements met), best first:")
         print(table(["kernel", "variants"],
                     [(r["kernel"], ", ".join(r["runnable"]) or "none") for r in out["kernels"]]))
+        print()
+        print("Whole reasons and lists: portable-kernels info --verbose (or --json).")
     return 0 if info else 1
 
 
@@ -160,12 +177,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     if args.verbose:  # every signature and technique in full, wrapped
         for k in kernels:
-            print(k["signature"])
-            print(textwrap.fill(k["summary"], width=100, initial_indent="  ", subsequent_indent="  "))
+            print(fill(k["signature"]))
+            print(fill(k["summary"], "  "))
             for v in k["variants"] or [{"name": "-", "plugin": "-", "requires": [], "description": "no variants registered"}]:
-                print(f"  {v['name']} [{v['plugin']}] requires {', '.join(v['requires']) or 'nothing'}")
-                print(textwrap.fill(v["description"], width=100, initial_indent="    ",
-                                    subsequent_indent="    "))
+                print(fill(f"{v['name']} [{v['plugin']}] requires {', '.join(v['requires']) or 'nothing'}",
+                           "  "))
+                print(fill(v["description"], "    "))
             print()
         return 0
     rows = []
@@ -200,28 +217,37 @@ def cmd_explain(args: argparse.Namespace) -> int:
     where = f"{dev.name} ({dev.vendor} {dev.arch})"
     if dev.emulated:
         where += f", emulated as {dev.emulated!r}; kernels run on {sel.executor.name}"
-    print(f"{sel.kernel} on {where}")
-    print(f"chosen: {sel.variant}: {sel.reason}")
+    print(fill(f"{sel.kernel} on {where}"))
+    print(fill(f"chosen: {sel.variant}: {sel.reason}"))
     if dev.evidence:
-        print(f"kernels on {dev.arch}: {dev.evidence}")
-    print("(no call arguments given: per-problem predicates, such as alignment, are not checked)")
+        print(fill(f"kernels on {dev.arch}: {dev.evidence}"))
+    print(fill("(no call arguments given: per-problem predicates, such as alignment, are not "
+               "checked)"))
     print()
+    status = ["chosen" if i == 0 else ("runnable" if v.runnable else "rejected")
+              for i, v in enumerate(sel.verdicts)]
+    if args.verbose:
+        for v, st in zip(sel.verdicts, status):
+            print(fill(f"{v.name} [{v.plugin}] priority {v.priority}, {st}: {v.reason}"))
+        return 0
     print(table(["variant", "plugin", "priority", "status", "reason"],
-                [(v.name, v.plugin, v.priority, "chosen" if i == 0 else ("runnable" if v.runnable else "rejected"),
-                  v.reason) for i, v in enumerate(sel.verdicts)]))
+                [(v.name, v.plugin, v.priority, st, v.reason) for v, st in zip(sel.verdicts, status)]))
+    print()
+    print("Whole reasons: portable-kernels explain KERNEL --verbose (or --json).")
     return 0
 
 
 #: name -> (help, configure(parser), run(args) -> exit code). Other modules add entries.
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "info": ("the device, its capabilities, plugins, and the variant each kernel would run",
-             lambda p: (_device_arg(p), _json_arg(p)), cmd_info),
+             lambda p: (_device_arg(p), _verbose_arg(p, "reasons and runnable variants"),
+                        _json_arg(p)), cmd_info),
     "list": ("every kernel and its registered variants",
-             lambda p: (_json_arg(p), p.add_argument(
-                 "--verbose", action="store_true", help="signatures and techniques in full")),
-             cmd_list),
+             lambda p: (_json_arg(p), _verbose_arg(p, "signatures and techniques")), cmd_list),
     "explain": ("which variant of KERNEL runs here and why the others do not",
-                lambda p: (p.add_argument("kernel"), _device_arg(p), _json_arg(p)), cmd_explain),
+                lambda p: (p.add_argument("kernel"), _device_arg(p),
+                           _verbose_arg(p, "every variant's reason"), _json_arg(p)),
+                cmd_explain),
 }
 
 

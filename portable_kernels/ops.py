@@ -573,7 +573,8 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     family = _family("flash_attn")
     mods = family.dense_mods(q, causal, window, softcap, alibi_slopes, sinks, align)
     with _on(q.device):
-        return family._forward(plan, q, k, v, bool(causal), _scale(q, sm_scale), mods)
+        # The variant's own stages where it has them (flash_attn.launcher), else the family's.
+        return family.stages(plan).forward(plan, q, k, v, bool(causal), _scale(q, sm_scale), mods)
 
 
 @flash_attn_forward.register_fake
@@ -598,8 +599,9 @@ def flash_attn_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     family = _family("flash_attn")
     mods = family.dense_mods(q, causal, window, softcap, alibi_slopes, sinks, align)
     with _on(q.device):
-        dq, dk, dv, delta = family._backward(plan, grad, q, k, v, out, lse, bool(causal),
-                                             _scale(q, sm_scale), mods, return_delta=True)
+        dq, dk, dv, delta = family.stages(plan).backward(
+            plan, grad, q, k, v, out, lse, bool(causal), _scale(q, sm_scale), mods,
+            return_delta=True)
     dsinks = _no_sinks_grad(q) if sinks is None else family.sinks_grad(sinks, lse, delta)
     return dq, dk, dv, dsinks
 

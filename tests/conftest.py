@@ -114,7 +114,7 @@ def nan_empty(monkeypatch):
 
 def assert_checked_descriptor(desc) -> None:
     """A host descriptor the Gluon launchers built without the constructor's checks
-    (``kernels._gluon.descriptor``) passes them: Gluon's ``TensorDescriptor`` accepts the
+    (``portable_kernels_backends.nvidia.gluon._common.descriptor``) passes them: Gluon's ``TensorDescriptor`` accepts the
     same fields."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

@@ -1,9 +1,7 @@
 """The GPU tools' building blocks, run under whatever executes kernels here (the interpreter
-on a CPU), so that they do not rot between runs on a GPU: the tile sweep's kernel launches
-against autograd, and the autotuner's timer falling back when graph capture fails."""
+on a CPU), so that they do not rot between runs on a GPU: every benchmark's command line,
+their helpers, and the autotuner's timer falling back when graph capture fails."""
 from __future__ import annotations
-
-import collections
 
 import importlib.util
 import os
@@ -15,8 +13,7 @@ import pytest
 import torch
 
 import portable_kernels as pk  # noqa: F401  (chooses the interpreter first)
-from portable_kernels import launch, plugins
-from portable_kernels.testing import assert_close, tolerance
+from portable_kernels import launch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -31,29 +28,102 @@ def _load(name: str):
     return module
 
 
-@pytest.mark.parametrize("path", ["ptr", "tma", "ws"])
-def test_sweep_launches_compute_the_gradients(path, device, monkeypatch):
-    """Each kernel the sweep times alone, at a tile it sweeps, gives what autograd gives
-    (``ws``: the forward's warp-specialized loop; the backward kernels take descriptors)."""
-    sweep = _load("flash_attn_sweep")
-    monkeypatch.setattr(sweep, "DEVICE", str(device))
-    causal, d = True, 64
-    st = sweep.state(1, 2, 70, d, torch.float16, causal, seed=3)
-    q, k, v, do = st[:4]
-    assert sweep.fwd_plan(st[-1], (64, 64, 4, 3), path).configs[0].kwargs["WARP_SPECIALIZE"] \
-        == (path == "ws")
-    out = sweep.run("fwd", (64, 64, 4, 3), path, causal, *st)
-    dkdv = sweep.joined(sweep.run("dkdv", (32, 64, 4, 3), path, causal, *st))
-    dq = sweep.run("dq", (64, 64, 4, 2), path, causal, *st)
+#: The maintained benchmarks: one per kind of work (elementwise and norm layers, the matmul
+#: families, attention and its memory, serving attention, a model end to end) and the host's
+#: overheads; each shares _common's command line.
+KEPT = ["layers", "matmul", "grouped_matmul", "flash_attn", "flash_attn_memory",
+        "serving_attention", "transformers_model", "host_per_call", "host_backward",
+        "dispatch_overhead"]
 
-    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
-    ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-    grads = torch.autograd.grad(ref, leaves, do.cpu().double())
-    tol = tolerance(torch.float16, "attention")
-    assert_close(out, ref, tol, "forward")
-    scaled = type(tol)(tol.atol * 4, tol.rtol)  # gradients are sums over the sequence
-    assert_close(dq, grads[0], scaled, "dq")
-    assert_close(dkdv, torch.cat(grads[1:]), scaled, "dk, dv")
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_holds_the_maintained_scripts_only():
+    assert sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "_common") == sorted(KEPT)
+
+
+@pytest.mark.parametrize("script", KEPT)
+def test_every_bench_shares_the_command_line(script):
+    """``--help`` lists the shared options; an unknown option is argparse's usage error."""
+    proc = _run(script, "--help")
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--quick", "--json PATH", "--plot DIR", "--set MODULE.NAME=VALUE"):
+        assert option in proc.stdout, (script, option)
+    bad = _run(script, "--no-such-option")
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-option" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+@pytest.mark.parametrize("script", [s for s in KEPT if s != "dispatch_overhead"])
+def test_every_bench_takes_the_shared_options_then_asks_for_a_gpu(script, tmp_path):
+    """The shared options parse and ``--set`` applies; the run then stops on this machine
+    saying it needs a GPU, and writes nothing."""
+    proc = _run(script, "--quick", "--json", str(tmp_path / "r.json"), "--plot",
+                str(tmp_path / "plots"), "--set", "matmul_gluon.MIN_TILES=1")
+    assert proc.returncode != 0 and "GPU" in proc.stderr, proc.stderr
+    assert "usage:" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+def test_dispatch_overhead_runs_here_and_writes_its_results(tmp_path):
+    """The one bench that also runs on the interpreter (the dispatch cost is host time)."""
+    proc = _run("dispatch_overhead", "--quick", "--device", "cpu", "--numel", "64",
+                "--json", str(tmp_path / "dispatch.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "dispatch added (handle - launcher)" in proc.stdout
+    saved = __import__("json").loads((tmp_path / "dispatch.json").read_text())
+    assert {r["path"] for r in saved["rows"]} >= {"handle", "launcher", "raw"}
+    assert (tmp_path / "dispatch.md").read_text().startswith("| path |")
+
+
+def test_set_overrides_a_kernel_modules_constant(monkeypatch):
+    """``--set MODULE.NAME=VALUE``: a family's module or the NVIDIA backend's Gluon one, a
+    Python literal; what does not exist, or is not a literal, is named."""
+    from portable_kernels.kernels import flash_attn as fa
+    from portable_kernels_backends.nvidia.gluon import flash_attn_gluon as fg
+    from portable_kernels_backends.nvidia.gluon import matmul_gluon as mg
+
+    common = _load("_common")
+    monkeypatch.setattr(mg, "MIN_TILES", mg.MIN_TILES)
+    monkeypatch.setattr(fg, "MIN_KEYS", fg.MIN_KEYS)
+    monkeypatch.setattr(fa, "TMA_HEAD_DIMS", fa.TMA_HEAD_DIMS)
+    done = common.apply_settings(["matmul_gluon.MIN_TILES=1",
+                                  "flash_attn_gluon.MIN_KEYS={64: 0, 128: 1024}",
+                                  "flash_attn.TMA_HEAD_DIMS=(64,)"])
+    assert mg.MIN_TILES == 1 and fg.MIN_KEYS == {64: 0, 128: 1024} and fa.TMA_HEAD_DIMS == (64,)
+    assert done["matmul_gluon.MIN_TILES"] == 1
+    for bad, message in (("matmul_gluon.NOPE=1", "matmul_gluon has no NOPE"),
+                         ("nowhere.X=1", "no module nowhere"),
+                         ("matmul_gluon.MIN_TILES=lots", "not a Python literal"),
+                         ("MIN_TILES", "expected MODULE.NAME=VALUE")):
+        with pytest.raises(SystemExit, match=message):
+            common.apply_settings([bad])
+
+
+def test_layers_bench_checks_ours_and_torchs_against_the_references(device):
+    """What bench/layers.py times, on small inputs here: ours and torch's operator pass the
+    family's float64 reference (a wrong torch counterpart would fail too), forward and
+    backward run, and the table and plots take the rows."""
+    bench = _load("layers")
+    for family in bench.FAMILIES:
+        args = bench.inputs(family, 4, 64, torch.float32, device)
+        out = bench.check(family, bench.ours(family), args)
+        bench.check(family, bench.torch_op(family), args)
+        grads = bench.backward_call(family, bench.ours(family), args)()
+        assert [g.shape for g in grads] == [a.shape for a in args][:len(grads)] and grads
+        assert bench.moved_bytes(args, out, True) > bench.moved_bytes(args, out, False) > 0
+    wrong = lambda x: torch.softmax(x, dim=0)  # noqa: E731
+    with pytest.raises(AssertionError, match="softmax"):
+        bench.check("softmax", wrong, bench.inputs("softmax", 4, 64, torch.float32, device))
+    row = {"family": "softmax", "tokens": 4, "hidden": 64, "dtype": "float16",
+           "gbps": {"ours fwd": 900.0, "torch fwd": 1000.0}}
+    table = bench.markdown([row], "header")
+    assert "| softmax | 4 | 64 | float16 | 900 | 1000 | 0.90 | - | - | - |" in table
+    (plot,) = bench.plot_benchmarks([row])
+    assert plot.x_vals == ["softmax 4x64"] and plot.plot_name == "layers-float16-fwd"
+    assert bench.measured([row])("softmax 4x64", "torch", "float16", "fwd") == 1000.0
 
 
 def test_flash_bench_rows_by_sequence_length():
@@ -76,59 +146,6 @@ def test_benches_exit_with_the_reason_without_a_gpu(script, tests):
     assert f"bench/{script}.py measures NVIDIA GPUs" in proc.stderr and tests in proc.stderr
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
-@pytest.mark.parametrize("script,args", [("flash_attn_gluon_ab", ["--knob", "PINGPONG=0,1"]),
-                                         ("matmul_gluon_ab", ["--set", "STAGES=3"])])
-def test_gluon_ab_exits_with_the_reason_without_an_sm90_gpu(script, args):
-    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "no sm_90 GPU here" in proc.stderr
-
-
-def test_matmul_gluon_ab_settings_name_module_constants():
-    ab = _load("matmul_gluon_ab")
-    assert ab.parse_setting("BLOCK_K=32,STAGES=6") == {"BLOCK_K": 32, "STAGES": 6}
-    assert ab.parse_setting("") == {}
-    with pytest.raises(SystemExit, match="matmul_gluon has no NOPE"):
-        ab.parse_setting("NOPE=1")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
-def test_variants_ab_exits_with_the_reason_without_a_gpu():
-    proc = subprocess.run([sys.executable, str(BENCH / "variants_ab.py"), "matmul",
-                           "--shapes", "16x64x64"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "bench/variants_ab.py measures NVIDIA GPUs" in proc.stderr
-    assert "tests/test_matmul.py" in proc.stderr
-
-
-def test_variants_ab_overrides_module_constants(monkeypatch):
-    """``--set MODULE.NAME=VALUE`` sets a kernels module's constant to a Python literal,
-    and names what does not exist."""
-    from portable_kernels.kernels import flash_attn_gluon as fg
-    from portable_kernels.kernels import matmul_gluon as mg
-    ab = _load("variants_ab")
-    monkeypatch.setattr(mg, "MIN_TILES", mg.MIN_TILES)
-    monkeypatch.setattr(fg, "MIN_KEYS", fg.MIN_KEYS)
-    ab.override("matmul_gluon.MIN_TILES=1")
-    ab.override("flash_attn_gluon.MIN_KEYS={64: 0, 128: 1024}")
-    assert mg.MIN_TILES == 1 and fg.MIN_KEYS == {64: 0, 128: 1024}
-    with pytest.raises(SystemExit, match="matmul_gluon has no NOPE"):
-        ab.override("matmul_gluon.NOPE=1")
-
-
-def test_variants_ab_device_time_sums_each_kernel_once():
-    """``--kernel-time``: the device µs per call add up every profiler event's own device
-    time (kernels; CPU-side events own none) over the calls timed, and the column shows
-    it in braces after the µs per back-to-back call."""
-    ab = _load("variants_ab")
-    Event = collections.namedtuple("Event", "self_device_time_total device_time_total")
-    events = [Event(300.0, 300.0), Event(100.0, 100.0), Event(0.0, 400.0)]  # 2 kernels, 1 op
-    assert ab.device_us(events, calls=20) == 20.0
-    assert ab.cell("x", 400.0, 500.0, 151.4, 92.2) == "x 400 (0.80) [151] {92}"
-    assert ab.cell("x", 400.0, 500.0, 151.4, None) == "x 400 (0.80) [151]"
-
-
 def test_matmul_bench_cold_rotates_operand_copies():
     bench = _load("matmul")
     copies = [(i, -i) for i in range(3)]
@@ -144,68 +161,6 @@ def test_bench_dtype_option_names_the_choices():
     assert common.dtypes("fp16, bf16") == [torch.float16, torch.bfloat16]
     with pytest.raises(SystemExit, match="unknown fp8; choose among fp16, bf16"):
         common.dtypes("fp16,fp8")
-
-
-def test_sweep_candidates_fit_the_registers():
-    sweep = _load("flash_attn_sweep")
-
-    class Args:
-        dims, quick, kernels, table = [64, 128], False, ["fwd", "dkdv", "dq"], None
-
-    cands = sweep.candidates(Args)
-    assert {c[0] for c in cands} == {"fwd", "dkdv", "dq"}
-    assert {c[3] for c in cands if c[0] == "fwd"} == {"tma", "ptr", "ws"}
-    assert all(c[4] in sweep.FWD_WS for c in cands if c[3] == "ws")
-    # The Gluon dk/dv kernel has one tile and its own register budget (set in its module).
-    assert {c[4] for c in cands if c[3] == "gluon"} == set(sweep.DKDV_GLUON)
-    assert all(sweep.fits(kernel, tile, d) for kernel, d, _, path, tile in cands if path != "gluon")
-    # dk/dv holds two fp32 accumulators of BLOCK_N x D: 128 keys at D=128 need 8 warps.
-    assert not sweep.fits("dkdv", (32, 128, 4, 3), 128) and sweep.fits("dkdv", (32, 128, 8, 3), 128)
-
-
-def test_sweep_whole_backward_candidates():
-    """``--kernels bwd`` times nvidia.hopper's backward once and nvidia.hopper_gluon's, with
-    its dq kernel and with dq fused, over the Gluon kernel's buffer counts, counted as 2.5
-    forwards like SDPA's backward."""
-    sweep = _load("flash_attn_sweep")
-
-    class Args:
-        dims, quick, kernels, table = [64, 128], False, ["bwd"], None
-
-    cands = sweep.candidates(Args)
-    for d in (64, 128):
-        for causal in (False, True):
-            paths = [c[3] for c in cands if c[1:3] == (d, causal)]
-            assert sorted(paths) == sorted(["hopper"] + ["gluon", "gluonq"] * len(sweep.BWD))
-    assert sweep.flops("bwd", 1, 1, 64, 64, False) == 2.5 * sweep.flops("fwd", 1, 1, 64, 64, False)
-
-
-def test_sweep_table_tiles_are_the_ones_the_launcher_takes():
-    """``--table`` sweeps the Hopper table's own tiles: per head dim, the backward config the
-    launcher takes first and the forward configs of its row class."""
-    from backends.nvidia import tuning
-    from portable_kernels.kernels import flash_attn as fa
-
-    sweep = _load("flash_attn_sweep")
-    configs = tuning.flash_attn_hopper(plugins.host().emulation_profile("h200"))
-
-    class Args:
-        dims, quick, kernels, table = [64, 128], False, ["fwd", "dkdv", "dq"], configs
-
-    cands = sweep.candidates(Args)
-    for d in (64, 128):
-        cfg = next(c for c in configs if c.kwargs["ROW_BYTES_MAX"] >= 2 * d)  # fp16 rows
-        dkdv_m, dkdv_n, dq_m, dq_n = fa._backward_blocks(cfg)
-        dkdv, dq = fa._options(cfg, "dkdv"), fa._options(cfg, "dq")
-        tiles = {(c[0], c[4]) for c in cands if c[1] == d and c[3] != "gluon"}
-        assert ("dkdv", (dkdv_m, dkdv_n, dkdv["num_warps"], dkdv["num_stages"])) in tiles
-        assert ("dq", (dq_m, dq_n, dq["num_warps"], dq["num_stages"])) in tiles
-        assert len({t for k, t in tiles if k != "fwd"}) <= 2
-        forward = {t for k, t in tiles if k == "fwd"}
-        assert (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages) in forward
-        # every path (descriptors and pointers, both orders of causal) for each tile, and
-        # the Gluon dk/dv kernel (no table: its own tile) beside them
-        assert {c[3] for c in cands if c[1] == d and c[0] == "dkdv"} == {"tma", "ptr", "gluon"}
 
 
 def test_autotuner_timer_falls_back_when_capture_fails(monkeypatch):
@@ -269,40 +224,6 @@ def test_benches_report_the_config_of_each_problem(device, gen):
     record = bench_fa.tuning_record(plan, q, q, True, None)
     assert f"BLOCK_M: {plan.configs[0].kwargs['BLOCK_M']}" in record["best"]
     assert bench_fa.tuning_record(plan, q, q, False, None)["best"] == ""  # not launched
-
-
-@pytest.mark.parametrize("path", ["tma", "ptr"])
-def test_matmul_sweep_launches_compute_the_product(path, device, monkeypatch):
-    """A sweep candidate, on its one-config plan of the Hopper variant, computes a @ b
-    (split-K, tails in M and N), through the load path it names."""
-    from portable_kernels.kernels import matmul as mm
-
-    sweep = _load("matmul_sweep")
-    monkeypatch.setattr(sweep, "DEVICE", str(device))
-    a, b = sweep.operands((72, 48, 264), torch.float16, seed=3)
-    base = sweep.base_plan(a, b)
-    assert base.variant.name == sweep.VARIANT
-    tile = (32, 32, 32, 2, 4, 3)
-    plan = sweep.plan_for(base, path, tile)
-    assert plan.configs[0].kwargs.get("TMA", True) == (path == "tma")
-    assert_close(mm.launch(plan, a, b), mm.reference(a, b), tolerance(torch.float16, "dot"), path)
-    assert "SPLIT_K: 2" in sweep.mm_choice(plan, a, b)
-    assert sweep.plan_for(base, path, tile) is plan  # kept: timing loops reuse its autotuner
-
-
-def test_matmul_sweep_candidates_fit():
-    sweep = _load("matmul_sweep")
-    shape, sms = (128, 4096, 4096), 132
-    for path in sweep.GRID:
-        assert any(sweep.fits(path, t, shape, sms) for t in sweep.GRID[path])
-    assert not sweep.fits("ptr", (128, 256, 64, 1, 4, 3), shape, sms)   # 256 accumulators a thread
-    assert sweep.fits("ptr", (128, 128, 64, 1, 4, 3), shape, sms)
-    assert not sweep.fits("tma", (128, 128, 64, 1, 4, 3), shape, sms)   # 4-warp WS, large tile
-    assert not sweep.fits("tma", (128, 256, 128, 1, 8, 4), shape, sms)  # shared memory
-    assert not sweep.fits("ptr", (64, 64, 64, 8, 8, 3), shape, sms)     # 128 tiles x 8 slices
-    assert not sweep.fits("ptr", (64, 128, 64, 8, 8, 3), (64, 512, 512), sms)  # one K block a slice
-    assert sweep.fits("ptr", (64, 128, 64, 2, 8, 3), (64, 512, 512), sms)
-    assert not sweep.fits("ptr", (128, 128, 64, 1, 8, 3), (16, 4096, 4096), sms)  # overhangs M
 
 
 def _matmul_row(m, n, k, dtype, **tflops):

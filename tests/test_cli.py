@@ -156,6 +156,29 @@ def test_info_tables_fit_100_columns(capsys, monkeypatch, fresh_host, device):
     assert not wide, wide
 
 
+@pytest.mark.parametrize("profile", [None, "h200", "h100", "a100", "mi300x", "bi150"])
+def test_every_default_line_fits_100_columns(profile, capsys, monkeypatch, fresh_host, device):
+    """info, list and explain (every kernel) fit 100 columns by default, on the device
+    under test and as emulated profiles see it, also in a wider terminal; ``--verbose``
+    wraps the whole texts to the same width (the chosen variant's reason in full)."""
+    monkeypatch.setenv("COLUMNS", "300")
+    if profile:
+        monkeypatch.setenv("PK_EMULATE", profile)
+    fresh_host()
+    commands = [("info", "--device", str(device)), ("list",)]
+    commands += [("explain", name, "--device", str(device)) for name in pk.list_kernels()]
+    for argv in commands:
+        for verbose in ((), ("--verbose",)):
+            code, out, err = run_cli(capsys, *argv, *verbose)
+            assert code == 0, err
+            wide = [line for line in out.splitlines() if len(line) > 100]
+            assert not wide, (argv, verbose, wide)
+    for name in pk.list_kernels():
+        sel = pk.explain(name, device=device)
+        _, out, _ = run_cli(capsys, "explain", name, "--device", str(device), "--verbose")
+        assert " ".join(sel.reason.split()) in " ".join(out.split()), name
+
+
 def test_info_says_what_the_interpreter_emulates(capsys, fresh_host, device):
     fresh_host()
     if not pk.device_info(device).has("interpreter"):

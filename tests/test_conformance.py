@@ -152,12 +152,21 @@ def test_outcomes_of_every_kind(fake_run):
     assert good["outcome"] == "pass" and 0 <= good["error_ratio"] <= 1 and good["seconds"] > 0
 
 
+def _matrix_rows(text: str) -> dict[str, str]:
+    return {line.split()[1]: line for line in text.splitlines() if line.startswith("vector_add ")}
+
+
 def test_failures_exit_non_zero_and_print_the_matrix(fake_run):
-    proc, _, _ = fake_run
+    """The matrix fits 100 columns, reasons cut; ``--verbose`` (``report show --verbose``,
+    the same text) has them whole."""
+    proc, rep, _ = fake_run
     assert proc.returncode == 1, proc.stderr
     out = proc.stdout
     assert "Conformance on" in out and "fingerprint cpu-" in out
-    rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("vector_add ")}
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert set(_matrix_rows(out)) == set(EXPECTED)
+    assert "…" in out  # the fake failures' reasons are longer than the table leaves them
+    rows = _matrix_rows(report.text_matrix(rep, width=1_000_000))
     assert set(rows) == set(EXPECTED)
     assert "pass 9/9" in rows["generic"]
     assert "FAIL 9/9" in rows["fake.wrong"] and "exceeds the elementwise tolerance" in rows["fake.wrong"]
@@ -166,6 +175,23 @@ def test_failures_exit_non_zero_and_print_the_matrix(fake_run):
     assert "XPASS 9/9" in rows["fake.fixed"]
     assert "case(s) failed" in proc.stderr
     assert "conformance [" in proc.stderr  # the progress line (no TTY here: one line per tenth)
+
+
+def test_report_show_and_merge_fit_100_columns_unless_verbose(fake_run, tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # a wide terminal: still 100 columns
+    _, rep, _ = fake_run
+    path = tmp_path / "cpu.json"
+    report.write(report.dumps(rep), path)
+    outputs = {}
+    for argv in (["report", "show", str(path)], ["report", "merge", str(path)]):
+        for verbose in ([], ["--verbose"]):
+            assert cli.main(argv + verbose) == 0
+            outputs[argv[1], bool(verbose)] = capsys.readouterr().out
+    for (action, verbose), out in outputs.items():
+        widest = max(len(line) for line in out.splitlines())
+        assert (widest > 100) if verbose and action == "show" else (widest <= 100), (action, out)
+    assert _matrix_rows(outputs["show", True]) == _matrix_rows(report.text_matrix(rep, 1_000_000))
 
 
 def test_json_report_format(fake_run):

@@ -1,6 +1,7 @@
-"""flash_attn's ``nvidia.hopper_gluon`` variant: its Gluon forward (``flash_attn_gluon.py``)
-with the family's backward, forward and backward against float64; what it takes, what it
-leaves to ``nvidia.hopper`` and why.
+"""flash_attn's ``nvidia.hopper_gluon`` variant, the NVIDIA backend's own kernels
+(``backends/nvidia/gluon/``): its Gluon forward and backward, with the family's
+preprocess and argument checks, against float64; what it takes, what it leaves to
+``nvidia.hopper`` and why; its stages inside the family's launcher and operators.
 
 Gluon kernels do not run under Triton's interpreter, so the numerical tests need an sm_90
 GPU and skip elsewhere with the variant's own reason; selection and the predicate are
@@ -17,10 +18,13 @@ import portable_kernels as pk
 from portable_kernels import plugins, tune
 from conftest import DEVICE, assert_checked_descriptor
 from portable_kernels.errors import VariantUnavailableError
+from portable_kernels import dispatch
 from portable_kernels.kernels import _counters
 from portable_kernels.kernels import flash_attn as fa
-from portable_kernels.kernels import flash_attn_gluon as fg
 from portable_kernels.launch import LaunchPlan
+from portable_kernels_backends.nvidia.gluon import _common
+from portable_kernels_backends.nvidia.gluon import flash_attn as gfa
+from portable_kernels_backends.nvidia.gluon import flash_attn_gluon as fg
 from portable_kernels.testing import assert_close, tolerance
 from test_flash_attn_hopper import _check, _grad_tolerance, _inputs
 
@@ -156,14 +160,15 @@ def test_persistent_forward_in_cuda_graphs(device, gen):
     assert 3 * 2 * 40 > torch.cuda.get_device_properties(device).multi_processor_count
     with pk.use_variant(**{NAME: GLUON}):
         plan = pk.get_kernel(NAME).plan(q, k, v, causal=True)
-    eager = fa._forward(plan, q, k, v, True, 0.125)[0]  # compiles outside the captures
+    forward = fa.stages(plan).forward
+    eager = forward(plan, q, k, v, True, 0.125)[0]  # compiles outside the captures
     torch.cuda.synchronize()
     graphs, outs = [], []
     capture = torch.cuda.Stream(device)
     for _ in range(2):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=capture):
-            outs.append(fa._forward(plan, q, k, v, True, 0.125)[0])
+            outs.append(forward(plan, q, k, v, True, 0.125)[0])
         graphs.append(graph)
     for i in (1, 0):
         for replay in range(2):
@@ -182,7 +187,7 @@ def test_scales_and_lse(sm_scale, device, gen, nan_empty):
     with pk.use_variant(**{NAME: GLUON}):
         plan = pk.get_kernel(NAME).plan(q, k, v)
     assert plan.variant.name == GLUON
-    out, lse = fa._forward(plan, q, k, v, True, sm_scale)
+    out, lse = fa.stages(plan).forward(plan, q, k, v, True, sm_scale)
     q64, k64, v64 = (x.cpu().double() for x in (q, k, v))
     tol = tolerance(torch.float16, "attention")
     assert_close(out, fa.reference(q64, k64, v64, causal=True, sm_scale=sm_scale), tol, "out")
@@ -412,17 +417,50 @@ def test_backward_launch_fuses_dq_only_with_its_buffer(monkeypatch):
 @pytest.mark.parametrize("d, least", [(64, 2048), (128, 1024)])
 def test_short_key_sequences_stay_on_nvidia_hopper(d, least, monkeypatch):
     """Below its head dim's MIN_KEYS (shorter key loops measured slower than nvidia.hopper)
-    the variant declines, naming the threshold; from it on it takes the call."""
+    the variant declines, naming the threshold; from it on it takes the call. It sees Nk
+    rounded down to a power of two (the family's ``Problem.keys``), exact for thresholds
+    that are powers of two, as the shipped ones are."""
     monkeypatch.setattr(fg, "MIN_KEYS", {64: 2048, 128: 1024})
-    q = torch.empty(1, 2, 128, d, device="meta")
 
-    def keys(n):
-        return torch.empty(1, 2, n, d, device="meta")
+    def issue(n):
+        return gfa.keys_issue(d, fa.key_class(n))
 
-    assert f"Nk is below {least} keys (MIN_KEYS at D={d})" in fg.issue(q, keys(least - 1), keys(least - 1))
-    # One message for every short length: one selection-cache entry.
-    assert fg.issue(q, keys(100), keys(100)) == fg.issue(q, keys(least - 1), keys(least - 1))
-    assert fg.issue(q, keys(least), keys(least)) == ""
+    assert f"Nk is below {least} keys (MIN_KEYS at D={d})" in issue(least - 1)
+    # One message for every short length.
+    assert issue(100) == issue(least - 1) == issue(0)
+    assert issue(least) == issue(2 * least - 1) == issue(10 ** 6) == ""
+    assert gfa.keys_issue(96, 1) == ""  # no threshold at D=96
+
+
+def test_shipped_key_thresholds_are_powers_of_two():
+    """keys_issue decides MIN_KEYS exactly only for powers of two (see above)."""
+    for least in fg.MIN_KEYS.values():
+        assert least > 0 and least & (least - 1) == 0, fg.MIN_KEYS
+
+
+@pytest.mark.parametrize("profile", ["h200", "h100"])
+def test_chosen_under_emulation_for_a_large_bf16_call_on_cuda_tensors(profile, monkeypatch):
+    """Selection as an sm_90 GPU with Triton 3.6 makes it, from any machine: the problem of
+    CUDA tensors (only its device differs from a CPU call's) goes to the variant when long
+    enough, to nvidia.hopper with the threshold named when not; under the interpreter the
+    variant declines with its reason."""
+    monkeypatch.setattr(_common, "TRITON_OK", True)
+    monkeypatch.setattr(fg, "MIN_KEYS", {64: 2048, 128: 1024})
+
+    def select(n_k, d=128):
+        q = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
+        kv = torch.empty(1, 2, n_k, d, dtype=torch.bfloat16)
+        with pk.emulate(profile):
+            cuda = fa.problem(q, kv, kv, True)._replace(device=torch.device("cuda", 0))
+            return dispatch.select(NAME, cuda, torch.device("cpu")), pk.explain(NAME, q, kv, kv)
+
+    sel, on_cpu = select(4096)
+    assert sel.variant == GLUON and "written in Gluon" in sel.verdicts[0].reason
+    short, _ = select(1000)
+    assert short.variant == "nvidia.hopper"
+    assert "Nk is below 1024 keys" in next(v for v in short.verdicts if v.name == GLUON).reason
+    verdict = next(v for v in on_cpu.verdicts if v.name == GLUON)
+    assert on_cpu.variant != GLUON and "Triton's interpreter does not run them" in verdict.reason
 
 
 def test_sm90_only_and_never_on_the_interpreter():
@@ -441,34 +479,39 @@ def test_sm90_only_and_never_on_the_interpreter():
         assert sel.variant == GLUON
 
 
-def test_gluon_kernels_are_host_switches():
-    """GLUON_FORWARD, GLUON_DKDV and GLUON_DQ pick the launcher's kernels; they never reach
-    a kernel's constexprs. The registered variant sets them all; nvidia.hopper none."""
-    gluon = {"GLUON_FORWARD": True, "GLUON_DKDV": True, "GLUON_DQ": True}
-    v = fa.variant("x.y", switches=gluon)
-    assert all(v.switches[name] is True for name in gluon)
-    assert not gluon.keys() & fa.SWITCHES.keys()
+def test_the_family_knows_no_gluon():
+    """The variant runs its own stages inside the family's launcher; the family has no
+    switch for them (GLUON_DQ is the variant's, read by its backward only), and its other
+    variants run the family's stages."""
     with pytest.raises(ValueError, match="unknown switches"):
-        fa.variant("x.y", switches={"GLUON": True})
+        fa.variant("x.y", switches={"GLUON_DQ": True})
     variants = plugins.host().registry.variants[NAME]
-    assert all(variants[GLUON].switches[name] for name in gluon)
-    assert not any(variants["nvidia.hopper"].switches[name] for name in gluon)
+    gluon = variants[GLUON]
+    assert gluon.launch.stages is gfa.STAGES and gluon.switches["GLUON_DQ"] is True
+    assert gluon.switches["TMA"] is True and gluon.plugin == "nvidia"
+    h200 = plugins.host().emulation_profile("h200")
+    assert fa.stages(LaunchPlan(gluon, h200, [], dict(gluon.switches))) is gfa.STAGES
+    hopper = variants["nvidia.hopper"]
+    assert fa.stages(LaunchPlan(hopper, h200, [], dict(hopper.switches))) == (
+        fa._forward, fa._backward)
 
 
-def _generic_plan_with(q, k, v, **switches):
-    """(the generic variant's plan for q, k, v, the same plan with ``switches`` set): the
-    family's launcher with host switches on, runnable on every device."""
+def _gluon_plan_on_pointers(q, k, v, **switches):
+    """(the generic variant's plan for q, k, v, a plan of the Gluon variant with the
+    generic one's configs and switches and ``switches``): the variant's stages around
+    family kernels that run on every device (the Gluon ones stood in for)."""
     with pk.use_variant(**{NAME: "generic"}):
         generic = pk.get_kernel(NAME).plan(q, k, v)
-    return generic, LaunchPlan(generic.variant, generic.device, generic.configs,
-                               {**generic.switches, **switches})
+    gluon = plugins.host().registry.variants[NAME][GLUON]
+    return generic, LaunchPlan(gluon, generic.device, generic.configs,
+                               {**generic.switches, "GLUON_DQ": True, **switches})
 
 
 @pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_fused"])
 def test_gluon_backward_wiring(fused_dq, monkeypatch):
-    """With GLUON_DKDV the backward's dk/dv come from flash_attn_gluon.backward (the
-    GPU tests above check its numbers) after the family's preprocess; with GLUON_DQ too,
-    dq is what that kernel added into its fp32 buffer, else the family's dq kernel's."""
+    """The backward's dk/dv come from flash_attn_gluon.backward (the GPU tests above check
+    its numbers) after the family's preprocess; with GLUON_DQ, dq is what that kernel added
+    into its fp32 buffer, else the family's dq kernel's."""
     calls = []
 
     def fake(q, k, v, do, lse, delta, dk, dv, causal, scale, dq_acc=None, plan=None):
@@ -482,10 +525,12 @@ def test_gluon_backward_wiring(fused_dq, monkeypatch):
 
     monkeypatch.setattr(fg, "backward", fake)
     q, k, v = (torch.randn(1, 2, 40, 64, device=DEVICE) for _ in range(3))
-    generic, plan = _generic_plan_with(q, k, v, GLUON_DKDV=True, GLUON_DQ=fused_dq)
-    out, lse = fa._forward(plan, q, k, v, True, 0.125)
+    generic, plan = _gluon_plan_on_pointers(q, k, v, GLUON_DQ=fused_dq)
+    out, lse = fa._forward(generic, q, k, v, True, 0.125)
     do = torch.randn_like(out)
-    dq, dk, dv = fa._backward(plan, do, q, k, v, out, lse, True, 0.125)
+    dq, dk, dv, delta = gfa.backward(plan, do, q, k, v, out, lse, True, 0.125,
+                                     return_delta=True)
+    assert torch.allclose(delta, (out * do).sum(-1), atol=1e-5)
     assert calls == [(q.shape, k.shape, True, 0.125, fused_dq, plan)]  # plan: direct launches
     assert (dk == 1.0).all() and (dv == 2.0).all()
     if fused_dq:
@@ -504,18 +549,18 @@ def test_backward_below_its_threshold_runs_the_family_kernels(monkeypatch):
     monkeypatch.setattr(fg, "BWD_MIN_KEYS", {64: 41, 128: 1})
     assert not fg.backward_takes(40, 64) and fg.backward_takes(41, 64)
     assert fg.backward_takes(40, 128) and fg.backward_takes(40, 96)  # no threshold at D=96
-    generic, plan = _generic_plan_with(q, k, v, GLUON_DKDV=True, GLUON_DQ=True)
+    generic, plan = _gluon_plan_on_pointers(q, k, v)
     out, lse = fa._forward(generic, q, k, v, True, 0.125)
     do = torch.randn_like(out)
-    grads = fa._backward(plan, do, q, k, v, out, lse, True, 0.125)
+    grads = gfa.backward(plan, do, q, k, v, out, lse, True, 0.125)
     for got, want in zip(grads, fa._backward(generic, do, q, k, v, out, lse, True, 0.125)):
         assert torch.equal(got, want)
 
 
 def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):
-    """With GLUON_FORWARD the forward is flash_attn_gluon.forward's (the GPU tests above
-    check its numbers), and ``portable-kernels tune`` names its fixed tile, not the first
-    config of the table the plan shares with nvidia.hopper."""
+    """The forward is flash_attn_gluon.forward's (the GPU tests above check its numbers),
+    and ``portable-kernels tune`` names its fixed tile, not the first config of the table
+    the plan shares with nvidia.hopper."""
     calls = []
 
     def fake(q, k, v, causal, scale, plan):
@@ -524,7 +569,56 @@ def test_gluon_forward_wiring_and_its_reported_tile(monkeypatch):
 
     monkeypatch.setattr(fg, "forward", fake)
     q = torch.randn(1, 2, 40, 64, device=DEVICE)
-    _, plan = _generic_plan_with(q, q, q, GLUON_FORWARD=True)
-    out, _ = fa._forward(plan, q, q, q, False, 0.125)
+    _, plan = _gluon_plan_on_pointers(q, q, q)
+    out, _ = gfa.forward(plan, q, q, q, False, 0.125)
     assert calls == [(q.shape, False, 0.125, plan)] and (out == 4.0).all()
     assert tune._chosen_configs(plan) == fg.tile().best_config
+
+
+@pytest.mark.parametrize("through", ["launcher", "ops"])
+def test_stages_run_through_autograd_and_the_operators(through, monkeypatch):
+    """The family's launcher (its autograd) and ``portable_kernels.ops``' forward and
+    backward operators run the variant's stages: the Gluon kernels (stood in for) give
+    out, lse, dk, dv and dq; the family's preprocess gives delta."""
+    from portable_kernels import ops
+
+    q, k, v = (torch.randn(1, 2, 40, 64, device=DEVICE) for _ in range(3))
+    generic, plan = _gluon_plan_on_pointers(q, k, v)
+    want, want_lse = fa._forward(generic, q, k, v, True, 0.125)
+    # Not the family kernels' output, so that the test sees whose forward ran.
+    monkeypatch.setattr(fg, "forward", lambda q, k, v, causal, scale, plan: (
+        want + 1.0, want_lse.clone()))
+
+    def backward(q, k, v, do, lse, delta, dk, dv, causal, scale, dq_acc=None, plan=None):
+        dk.fill_(1.0)
+        dv.fill_(2.0)
+        dq_acc.fill_(3.0)
+
+    monkeypatch.setattr(fg, "backward", backward)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    if through == "ops":
+        handle = pk.get_kernel(NAME)
+        monkeypatch.setattr(type(handle), "plan", lambda self, *args, **kwargs: plan)
+        monkeypatch.setattr(ops, "_handle", lambda name: handle)
+        out = ops.flash_attn(*leaves, True, 0.125)
+    else:
+        out = plan.variant.launch(plan, *leaves, True, 0.125)
+    assert torch.equal(out.detach(), want + 1.0)
+    out.sum().backward()
+    for x, fill in zip(leaves, (3.0, 1.0, 2.0)):
+        assert (x.grad == fill).all()
+
+
+def test_the_core_imports_no_gluon_and_no_backend():
+    """The vendor-neutral core (portable_kernels/) imports neither Gluon nor a backend: the
+    Gluon kernels reach it only as variants the NVIDIA backend registers."""
+    import pathlib
+
+    import portable_kernels
+
+    root = pathlib.Path(portable_kernels.__file__).parent
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if line.lstrip().startswith(("import ", "from "))
+             and ("gluon" in line or "portable_kernels_backends" in line)]
+    assert not found, found

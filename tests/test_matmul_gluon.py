@@ -1,6 +1,7 @@
-"""matmul's ``nvidia.hopper_gluon`` variant: its Gluon kernel (``matmul_gluon.py``) against
-float64 in every operand layout, with tails in every dimension and programs walking many
-tiles; what it takes, what it leaves to ``nvidia.persistent_tma`` and why.
+"""matmul's ``nvidia.hopper_gluon`` variant, the NVIDIA backend's own kernel
+(``backends/nvidia/gluon/``): its Gluon kernel against float64 in every operand layout, with
+tails in every dimension and programs walking many tiles; what it takes, what it leaves to
+``nvidia.persistent_tma`` and why.
 
 Gluon kernels do not run under Triton's interpreter, so the numerical tests need an sm_90
 GPU and skip elsewhere with the variant's own reason; selection, the predicate and the
@@ -17,12 +18,13 @@ import triton
 
 import portable_kernels as pk
 from conftest import DEVICE, assert_checked_descriptor
-from portable_kernels import plugins, tune
+from portable_kernels import dispatch, plugins, tune
 from portable_kernels.errors import VariantUnavailableError
-from portable_kernels.kernels import _gluon
 from portable_kernels.kernels import matmul as mm
-from portable_kernels.kernels import matmul_gluon as mg
 from portable_kernels.launch import LaunchPlan
+from portable_kernels_backends.nvidia.gluon import _common
+from portable_kernels_backends.nvidia.gluon import matmul as gmm
+from portable_kernels_backends.nvidia.gluon import matmul_gluon as mg
 from portable_kernels.testing import assert_close, tolerance
 
 NAME = "matmul"
@@ -147,37 +149,71 @@ def test_forcing_a_small_problem_raises(device):
 
 # --- what it takes: everywhere ----------------------------------------------------------------
 
-def test_size_issue_has_fixed_messages():
-    """Below MIN_TILES, or K = 0, the kernel declines by size; the messages hold no sizes,
-    so that the selection cache keeps one entry for every small problem."""
-    def t(*shape):
-        return torch.empty(*shape, dtype=torch.float16, device="meta")
+def test_size_issue_names_the_threshold():
+    """Below MIN_TILES output tiles, or with K = 0, the kernel declines by size, from the
+    family problem's M, N and K; one message for every small problem."""
+    def issue(*shape):
+        a = torch.empty(*shape[:2], dtype=torch.float16, device="meta")
+        b = torch.empty(*shape[1:], dtype=torch.float16, device="meta")
+        p = mm.problem(a, b)
+        return gmm.size_issue(p.m, p.n, p.k)
 
-    assert "MIN_TILES=132" in mm._gluon_issue(t(128, 64), t(64, 4096))
-    assert mm._gluon_issue(t(100, 64), t(64, 100)) == mm._gluon_issue(t(128, 64), t(64, 4096))
-    assert mm._gluon_issue(t(2048, 0), t(0, 4096)) == "K is 0: the output is all zeros"
-    assert mm._gluon_issue(t(2048, 64), t(64, 4096)) == ""
-    # Other problems' checks name them later; the predicate does not guess.
-    assert mm._gluon_issue(t(2048), t(64, 4096)) == ""
+    assert "MIN_TILES=132" in issue(128, 64, 4096)
+    assert issue(100, 64, 100) == issue(128, 64, 4096) == issue(128 * 131, 64, 256)
+    assert issue(2048, 0, 4096) == "K is 0: the output is all zeros"
+    assert issue(2048, 64, 4096) == issue(128 * 12, 64, 256 * 11) == ""
+    # Not 2-D: no sizes, declined (the family's checks name the operand at launch).
+    p = mm.problem(torch.empty(2048, device="meta"), torch.empty(64, 4096, device="meta"))
+    assert (p.m, p.n, p.k) == (0, 4096, 0) and gmm.size_issue(p.m, p.n, p.k)
 
 
-def _cuda_problem(dtype=torch.float16, gluon_issue="", b_layout="row"):
-    return mm.Problem(torch.device("cuda"), dtype, "row", b_layout, True, gluon_issue)
+def _cuda_problem(dtype=torch.float16, m=2048, k=64, b_layout="row"):
+    return mm.Problem(torch.device("cuda"), dtype, "row", b_layout, True, m, 4096, k)
 
 
 def test_predicate_names_the_problem(monkeypatch):
     """On a CUDA device with the Triton it was checked on: 16-bit operands, enough tiles
     and what a descriptor takes; each refusal says which."""
     h200 = plugins.host().emulation_profile("h200")
-    monkeypatch.setattr(_gluon, "TRITON_OK", True)
-    assert mm.gluon_accepts(_cuda_problem(), h200) is None
-    assert "float32 operands take the Triton kernel" in mm.gluon_accepts(
+    monkeypatch.setattr(_common, "TRITON_OK", True)
+    assert gmm.accepts(_cuda_problem(), h200) is None
+    assert "float32 operands take the Triton kernel" in gmm.accepts(
         _cuda_problem(torch.float32), h200)
-    assert "float8_e4m3fn operands" in mm.gluon_accepts(_cuda_problem(torch.float8_e4m3fn), h200)
-    assert mm.gluon_accepts(_cuda_problem(gluon_issue="few tiles"), h200) == "few tiles"
-    assert "b cannot be described" in mm.gluon_accepts(_cuda_problem(b_layout=""), h200)
-    monkeypatch.setattr(_gluon, "TRITON_OK", False)
-    assert "TRITON_OK" in mm.gluon_accepts(_cuda_problem(), h200)
+    assert "float8_e4m3fn operands" in gmm.accepts(_cuda_problem(torch.float8_e4m3fn), h200)
+    assert "MIN_TILES" in gmm.accepts(_cuda_problem(m=128), h200)
+    assert gmm.accepts(_cuda_problem(k=0), h200) == "K is 0: the output is all zeros"
+    assert "b cannot be described" in gmm.accepts(_cuda_problem(b_layout=""), h200)
+    b200 = plugins.host().emulation_profile("b200")
+    assert "sm_90's warpgroup MMA" in gmm.accepts(_cuda_problem(), b200)
+    monkeypatch.setattr(_common, "TRITON_OK", False)
+    assert "TRITON_OK" in gmm.accepts(_cuda_problem(), h200)
+
+
+@pytest.mark.parametrize("profile", ["h200", "h100"])
+def test_chosen_under_emulation_for_a_large_bf16_product_on_cuda_tensors(profile, monkeypatch):
+    """Selection as an sm_90 GPU with Triton 3.6 makes it, from any machine: the problem of
+    CUDA tensors (only its device differs from a CPU call's) goes to the variant from
+    MIN_TILES output tiles on, to nvidia.persistent_tma with the reason below; under the
+    interpreter the variant declines with its reason."""
+    monkeypatch.setattr(_common, "TRITON_OK", True)
+
+    def select(m, n, k=64):
+        a = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+        b = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
+        with pk.emulate(profile):
+            cuda = mm.problem(a, b)._replace(device=torch.device("cuda", 0))
+            return dispatch.select(NAME, cuda, torch.device("cpu"))
+
+    sel = select(4096, 4096)
+    assert sel.variant == GLUON and "written in Gluon" in sel.verdicts[0].reason
+    small = select(128 * 131, 256)
+    assert small.variant == TMA
+    assert "MIN_TILES" in next(v for v in small.verdicts if v.name == GLUON).reason
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pk.emulate(profile):
+        on_cpu = pk.explain(NAME, x, x)
+    verdict = next(v for v in on_cpu.verdicts if v.name == GLUON)
+    assert on_cpu.variant == TMA and "Triton's interpreter does not run them" in verdict.reason
 
 
 def test_sm90_only_and_never_on_the_interpreter():
@@ -194,18 +230,13 @@ def test_sm90_only_and_never_on_the_interpreter():
     assert reason in verdict.reason, verdict.reason
 
 
-def test_gluon_is_a_host_switch():
-    """GLUON picks the launcher's kernel and never reaches the Triton kernel's constexprs;
-    the Gluon variant shares nvidia.persistent_tma's switches and table otherwise, so its
-    small problems could run that kernel unchanged."""
-    variants = plugins.host().registry.variants[NAME]
-    gluon, tma = variants[GLUON], variants[TMA]
-    assert gluon.switches == {**tma.switches, "GLUON": True}
-    assert "GLUON" not in tma.switches
-    h200 = plugins.host().emulation_profile("h200")
-    plan = LaunchPlan(gluon, h200, tma.configs(h200)[:1], dict(gluon.switches))
-    _, switches, _ = mm._tuned_kernel(plan, 2)
-    assert "GLUON" not in switches
+def test_a_launcher_of_its_own():
+    """The variant launches through its own launcher, registered by the NVIDIA backend;
+    the family's launcher and switches know nothing of it."""
+    gluon = plugins.host().registry.variants[NAME][GLUON]
+    assert gluon.launch is gmm.launch and gluon.plugin == "nvidia"
+    assert not gluon.switches
+    assert not {"GLUON", "HOST_SWITCHES", "gluon_accepts"} & set(vars(mm))
 
 
 class _Launches:
@@ -245,10 +276,10 @@ def test_launch_describes_each_layout(a_col, b_col, monkeypatch):
         assert_checked_descriptor(desc)
 
 
-def test_launch_routes_by_the_host_switch(monkeypatch):
-    """matmul.launch hands GLUON plans' non-empty products to matmul_gluon.matmul with the
+def test_launch_hands_products_to_the_kernel(monkeypatch):
+    """The variant's launcher hands non-empty products to matmul_gluon.matmul with the
     output it allocated, the device's SM count and the plan (for direct launches); empty
-    ones never reach it."""
+    ones never reach it, and bad operands get the family's errors."""
     calls = []
 
     def fake(a, b, out, num_sms, plan):
@@ -260,11 +291,13 @@ def test_launch_routes_by_the_host_switch(monkeypatch):
     gluon = plugins.host().registry.variants[NAME][GLUON]
     plan = LaunchPlan(gluon, h200, gluon.configs(h200), dict(gluon.switches))
     a, b = torch.ones(300, 40, dtype=torch.float16), torch.ones(40, 520, dtype=torch.float16)
-    assert (mm.launch(plan, a, b) == 5.0).all()
+    assert (gmm.launch(plan, a, b) == 5.0).all()
     assert calls == [((300, 40), (40, 520), (300, 520), h200.num_sms, plan)]
-    assert not mm.launch(plan, a[:, :0], b[:0]).any()  # K = 0: zeros, no launch
-    assert mm.launch(plan, a[:0], b).shape == (0, 520)
+    assert not gmm.launch(plan, a[:, :0], b[:0]).any()  # K = 0: zeros, no launch
+    assert gmm.launch(plan, a[:0], b).shape == (0, 520)
     assert len(calls) == 1
+    with pytest.raises(ValueError, match="matmul"):
+        gmm.launch(plan, a, a)
     # portable-kernels tune names the Gluon kernel's tile, not the table's first config.
     assert tune._chosen_configs(plan) == mg.tile().best_config
 
@@ -282,3 +315,21 @@ def test_launch_metadata_counts_the_product():
     assert got == {"name": "_matmul_gluon_kernel [M=3, N=16, K=8]", "flops16": 2.0 * 3 * 16 * 8,
                    "bytes": 2 * (3 * 8 + 8 * 16 + 3 * 16)}
 
+
+
+def test_families_that_run_matmul_use_the_variants_launcher(monkeypatch):
+    """A family that computes its products with matmul's plan (fused_linear_cross_entropy)
+    launches them through the chosen variant's own launcher, so a product the Gluon variant
+    took runs its kernel (stood in for here), not the family's launcher with its switches."""
+    from portable_kernels.kernels import fused_linear_cross_entropy as flce
+
+    calls = []
+    monkeypatch.setattr(mg, "matmul", lambda a, b, out, num_sms, plan: (
+        calls.append((a.shape, b.shape)), out.fill_(7.0))[1])
+    h200 = plugins.host().emulation_profile("h200")
+    gluon = plugins.host().registry.variants[NAME][GLUON]
+    plan = LaunchPlan(gluon, h200, gluon.configs(h200), dict(gluon.switches))
+    handle = types.SimpleNamespace(plan=lambda a, b: plan)
+    monkeypatch.setattr(flce, "_MATMUL", [handle])
+    a, b = torch.ones(300, 40, dtype=torch.float16), torch.ones(40, 520, dtype=torch.float16)
+    assert (flce._product(a, b) == 7.0).all() and calls == [((300, 40), (40, 520))]

@@ -13,10 +13,12 @@ Emulation profiles: ``a100``, ``l40s``, ``h100``, ``h200``, ``b200``, ``rtx5090`
 
 ``nvidia.hopper_gluon`` ranks above ``nvidia.hopper`` (flash_attn) and
 ``nvidia.persistent_tma`` (matmul) and takes only sm_90 and the problems its Gluon kernels
-cover; the rest go to those. ``nvidia.blackwell`` runs ``nvidia.hopper``'s attention
-kernels on sm_100 with a table of its own (warp-specialized tiles on); ``nvidia.persistent_tma``
-and grouped_matmul's ``nvidia.tma`` serve sm_90 and sm_100 alike, each with its table.
-The sm_100 tables are compiled by ``ci/compile_matrix.py`` but have not run on a B200.
+cover; the rest go to those. Its kernels are this backend's own, in ``gluon/`` with their
+launchers (the other variants are switch settings of the families' kernels).
+``nvidia.blackwell`` runs ``nvidia.hopper``'s attention kernels on sm_100 with a table of
+its own (warp-specialized tiles on); ``nvidia.persistent_tma`` and grouped_matmul's
+``nvidia.tma`` serve sm_90 and sm_100 alike, each with its table. The sm_100 tables are
+compiled by ``ci/compile_matrix.py`` but have not run on a B200.
 """
 from __future__ import annotations
 
@@ -122,24 +124,14 @@ def _hopper_priority(device: DeviceInfo) -> int:
     return 100 if device.has("wgmma") else -10
 
 
-def _on_sm90(gluon_accepts):
-    """A family's ``gluon_accepts`` on sm_90 only: the Gluon kernels state sm_90's
-    warpgroup MMAs themselves, which later NVIDIA parts do not have (Triton's ``tl.dot``
-    maps to their own instructions; Gluon does not)."""
-    def accepts(problem, device: DeviceInfo) -> str | None:
-        if device.arch != "sm_90":
-            return f"written for sm_90's warpgroup MMA instructions, which {device.arch} lacks"
-        return gluon_accepts(problem, device)
-
-    return accepts
-
-
 @hookimpl
 def pk_register_variants(registry):
     # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
-    # Each variant is a switch setting of its family's one kernel; the bodies stay in
-    # portable_kernels/kernels/.
+    # Each variant but the Gluon ones is a switch setting of its family's one kernel; the
+    # bodies stay in portable_kernels/kernels/.
     from portable_kernels.kernels import flash_attn, flash_attn_varlen, grouped_matmul, matmul
+
+    from . import gluon
 
     registry.add_variant(Variant(
         "matmul", "nvidia.persistent_tma", matmul.launch,
@@ -151,18 +143,6 @@ def pk_register_variants(registry):
         "stores through device-side tensor descriptors; warp-specialized K loop; epilogue "
         "subtiling; split-K where the output has too few tiles; sm_90 and sm_100 (on "
         "sm_100 with a table of its own, compiled but not yet run on one)"))
-    registry.add_variant(Variant(
-        "matmul", "nvidia.hopper_gluon", matmul.launch,
-        requires={"tensor_descriptor", "warp_specialize", "wgmma"}, priority=110,
-        accepts=_on_sm90(matmul.gluon_accepts),
-        switches={"TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True, "UPCAST": False,
-                  "GLUON": True},
-        configs=tuning.matmul_persistent_tma,
-        description="written in Gluon (matmul_gluon.py), CUTLASS's cooperative schedule: a "
-        "persistent grid in grouped order, a TMA producer warp and two consumer warpgroups "
-        "sharing 128x256 tiles, explicit barriers, the output stored by the copy engine "
-        "while the next tile runs; Triton 3.6, CUDA, fp16/bf16, aligned strides, at least "
-        "MIN_TILES output tiles (else nvidia.persistent_tma, with the reason in explain)"))
     registry.add_variant(Variant(
         "grouped_matmul", "nvidia.tma", grouped_matmul.launch,
         requires={"tensor_descriptor"}, priority=_tma_priority,
@@ -200,19 +180,5 @@ def pk_register_variants(registry):
         registry.add_variant(family.variant(
             "nvidia.blackwell", requires={"tensor_descriptor", "warp_specialize", "tcgen05"},
             **blackwell))
-    registry.add_variant(flash_attn.variant(
-        "nvidia.hopper_gluon", requires={"tensor_descriptor", "warp_specialize", "wgmma"},
-        priority=110, accepts=_on_sm90(flash_attn.gluon_accepts),
-        # The backward's preprocess is nvidia.hopper's (TMA on, its tiles: the table below
-        # shares them); one Gluon kernel computes dk, dv and dq.
-        switches={"TMA": True, "WARP_SPECIALIZE": False, "GLUON_FORWARD": True,
-                  "GLUON_DKDV": True, "GLUON_DQ": True},
-        configs=tuning.flash_attn_hopper,
-        description="forward and backward written in Gluon (flash_attn_gluon.py), "
-        "FlashAttention-3's schedules: a TMA producer warp and two consumer warpgroups as "
-        "separate partitions with explicit barriers; forward: scores of the next key block "
-        "issued before P·V of this one; backward: dk, dv and dq in one kernel, dq added up "
-        "in fp32 by the copy engine; copies through 4-D host descriptors; Triton 3.6, CUDA, "
-        "fp16/bf16, D 64 or 128, aligned strides, Nk >= 2048 at D=64, >= 1024 at D=128 "
-        "(else nvidia.hopper, with the reason in explain); below 2048 keys its backward is "
-        "nvidia.hopper's Triton kernels"))
+    # Kernels of this backend's own (sm_90, written in Gluon), with their launchers.
+    gluon.register(registry)

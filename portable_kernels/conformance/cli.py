@@ -2,13 +2,15 @@
 
     portable-kernels conformance [--device DEV] [--backend PLUGIN] [--kernels a,b]
         [--variants v1,v2] [--quick] [--json PATH] [--markdown PATH] [-n WORKERS]
-        [-- PYTEST_ARGS...]
-    portable-kernels report show REPORT.json [--markdown OUT]
+        [--verbose] [-- PYTEST_ARGS...]
+    portable-kernels report show REPORT.json [--markdown OUT] [--verbose]
     portable-kernels report merge A.json B.json ... [--markdown OUT] [--html OUT] [--json OUT]
+        [--verbose]
 
 ``conformance`` runs pytest on the conformance package in a subprocess (so the interpreter
 choice, CUDA state and xdist workers start clean), draws a one-line progress bar on stderr
-while it runs, prints the kernel x variant matrix, and exits 1 when any case failed
+while it runs, prints the kernel x variant matrix (fit to 100 columns, reasons cut; whole with
+``--verbose`` and in the reports), and exits 1 when any case failed
 (2 or pytest's own code when the run itself broke). pytest's own output goes to a log file,
 kept and named when something went wrong.
 """
@@ -50,6 +52,7 @@ def configure_conformance(p: argparse.ArgumentParser) -> None:
                    help="run in parallel with pytest-xdist: a number, or 'auto' (one worker per GPU "
                    "with a cuda device, one per CPU core otherwise)")
     p.add_argument("--log", default=None, metavar="PATH", help="keep pytest's own output here")
+    _verbose_arg(p)
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
                    help="extra pytest arguments after '--' (e.g. -- -x -k softmax)")
 
@@ -102,9 +105,15 @@ def _environment(args: argparse.Namespace) -> dict:
     return env
 
 
-def _width() -> int | None:
-    # On a terminal, reasons are cut to its width; in a log, whole.
-    return None if sys.stdout.isatty() else 1_000_000
+def _verbose_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="print the matrix's reasons whole (by default cut to fit 100 columns)")
+
+
+def _width(args: argparse.Namespace) -> int | None:
+    """The matrix's width: 100 columns at most (a narrower terminal: its width), or with
+    ``--verbose`` whole lines (the JSON and Markdown reports always hold the whole text)."""
+    return 1_000_000 if getattr(args, "verbose", False) else None
 
 
 def _tail(path: str, lines: int = 40) -> str:
@@ -155,7 +164,7 @@ def run_conformance(args: argparse.Namespace) -> int:
               f"pytest output ({log_path}):\n{_tail(log_path)}", file=sys.stderr)
         return rc or 2
     report = reports.load(json_path)
-    print(reports.text_matrix(report, width=_width()))
+    print(reports.text_matrix(report, width=_width(args)))
     summary = report["summary"]
     failed = summary["fail"] + summary["error"]
     if args.json:
@@ -182,6 +191,7 @@ def configure_report(p: argparse.ArgumentParser) -> None:
                           description="print the kernel x variant matrix of one report")
     show.add_argument("report")
     show.add_argument("--markdown", default=None, metavar="OUT", help="also write it as Markdown")
+    _verbose_arg(show)
     merge = sub.add_parser("merge", help="merge reports of several devices into one matrix",
                            description="one cross-device matrix: rows kernel/variant, a column per "
                            "device fingerprint")
@@ -189,6 +199,7 @@ def configure_report(p: argparse.ArgumentParser) -> None:
     merge.add_argument("--markdown", default=None, metavar="OUT", help="write the matrix as Markdown")
     merge.add_argument("--html", default=None, metavar="OUT", help="write the matrix as HTML")
     merge.add_argument("--json", default=None, metavar="OUT", help="write the merged matrix as JSON")
+    _verbose_arg(merge)
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -201,7 +212,7 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         if action == "show":
             report = reports.load(args.report)
-            print(reports.text_matrix(report, width=_width()))
+            print(reports.text_matrix(report, width=_width(args)))
             if args.markdown:
                 reports.write(reports.markdown(report), args.markdown)
             return 0
@@ -213,7 +224,7 @@ def run_report(args: argparse.Namespace) -> int:
     # of one device.
     for note in reports.merge_notes(merged):
         print(note, file=sys.stderr)
-    print(reports.merged_text(merged, width=_width()))
+    print(reports.merged_text(merged, width=_width(args)))
     for path, text in ((args.markdown, reports.merged_markdown), (args.html, reports.merged_html),
                        (args.json, lambda m: reports.json.dumps(m, indent=1) + "\n")):
         if path:

@@ -296,17 +296,18 @@ def _summary_line(summary: dict) -> str:
 
 
 def text_matrix(report: dict, width: int | None = None) -> str:
-    """The kernel x variant matrix as a plain-text table, with a header and a summary."""
-    from .._table import table
+    """The kernel x variant matrix as a plain-text table, with a header and a summary, at
+    most ``width`` columns (default: ``_table.width()``), the reasons cut to fit."""
+    from .._table import fill, table
 
     rows = [_row_cells(r) for r in matrix_rows(report)]
     lines = [
-        f"Conformance on {_device_line(report)}",
-        f"fingerprint {report['fingerprint']}",
+        fill(f"Conformance on {_device_line(report)}", max_width=width),
+        fill(f"fingerprint {report['fingerprint']}", max_width=width),
         "",
         table(MATRIX_HEADERS, rows, max_width=width) if rows else "(no cases)",
         "",
-        f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s",
+        fill(f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s", max_width=width),
     ]
     return "\n".join(lines)
 
@@ -463,15 +464,17 @@ def _device_title(d: dict) -> str:
 
 
 def merged_text(merged: dict, width: int | None = None) -> str:
-    from .._table import table
+    """The cross-device matrix as a plain-text table, at most ``width`` columns (default:
+    ``_table.width()``), then a line per device."""
+    from .._table import fill, table
 
     fps = [d["fingerprint"] for d in merged["devices"]]
     headers = ["kernel", "variant"] + [f"[{i + 1}]" for i in range(len(fps))]
     rows = [[r["kernel"], r["variant"]] + [(r["cells"][fp] or {}).get("label", "not run") for fp in fps]
             for r in merged["rows"]]
     lines = [table(headers, rows, max_width=width), ""]
-    lines += [f"[{i + 1}] {fp}: {_summary_line(d['summary'])}" for i, (fp, d) in
-              enumerate(zip(fps, merged["devices"]))]
+    lines += [fill(f"[{i + 1}] {fp}: {_summary_line(d['summary'])}", max_width=width)
+              for i, (fp, d) in enumerate(zip(fps, merged["devices"]))]
     return "\n".join(lines)
 
 

@@ -118,14 +118,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _attn_mods, _gluon, _host, flash_attn_gluon
+from . import _attn_mods, _host
 
 NAME = "flash_attn"
 
@@ -135,15 +135,6 @@ SWITCHES = {"UPCAST": False, "DEFERRED": False, "HEAD_SPLIT": 1, "TRANSPOSED": F
             "TMA": False, "WARP_SPECIALIZE": False}
 #: Switches a descriptor variant's config may set for its (autotuned) forward.
 _CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
-#: Switches the host launcher reads, never passed to a kernel (nvidia.hopper_gluon sets
-#: them; its predicate must be :func:`gluon_accepts`). GLUON_FORWARD: the forward runs
-#: ``flash_attn_gluon``'s kernel instead of this module's. GLUON_DKDV: so does the
-#: backward's dk/dv kernel (the preprocess stays this module's). GLUON_DQ (with
-#: GLUON_DKDV): that kernel also adds dq up, in fp32 and in no fixed order, and this
-#: module's dq kernel does not run; without it dq is bitwise reproducible (and the
-#: backward 5-8% slower on the H200 at D=64, 16-19% at D=128). The Gluon backward takes
-#: only calls with ``flash_attn_gluon.BWD_MIN_KEYS`` keys; shorter ones run this module's.
-HOST_SWITCHES = {"GLUON_FORWARD": False, "GLUON_DKDV": False, "GLUON_DQ": False}
 
 #: What the descriptor path (``TMA``) takes: 16-bit inputs and head dims whose tiles need no
 #: padding, for which its sm_90 configs are compiled and tuned.
@@ -967,7 +958,7 @@ class Problem(NamedTuple):
     causal: bool
     gqa: bool
     descriptor_issue: str  # why tensor descriptors cannot describe q, k, v ("" when they can)
-    gluon_issue: str  # why flash_attn_gluon's forward cannot take q, k, v as laid out, or ""
+    keys: int  # Nk rounded down to a power of two (0: no keys), for predicates about length
     options: str = ""  # the options set beyond causal (window, softcap, ...), "" for none
 
 
@@ -991,7 +982,7 @@ class Mods(NamedTuple):
 
     @property
     def plain(self) -> bool:
-        """Nothing but SDPA's attention: what the Gluon kernels take."""
+        """Nothing but SDPA's attention: no option, top-left diagonal, no packed batch."""
         return self.options is _attn_mods.plain(self.options.causal) and not (
             self.align_br or self.varlen)
 
@@ -1108,9 +1099,14 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
         alibi_slopes=alibi_slopes, sinks=sinks, batch=bq, heads=h, device=device)
     _host.check_bool(NAME, "return_lse", return_lse)
     return Problem(device, dtype, d, bool(causal), h != h_kv, _descriptor_issue(d, q, k, v),
-                   # Only CUDA tensors can take the Gluon forward: skip its checks elsewhere.
-                   flash_attn_gluon.issue(q, k, v) if device.type == "cuda" else "",
-                   options_key(options, _align(align)))
+                   key_class(n_k), options_key(options, _align(align)))
+
+
+def key_class(n_k: int) -> int:
+    """``Problem.keys``: the largest power of two not above ``n_k`` (0 for none). Coarse, so
+    that a growing KV cache meets few selection-cache entries; a predicate with a
+    power-of-two threshold on Nk decides exactly on it."""
+    return 1 << (n_k.bit_length() - 1) if n_k > 0 else 0
 
 
 def _align(align: Any) -> bool:
@@ -1134,20 +1130,6 @@ def tma_accepts(problem: Problem, device) -> str | None:
     if problem.descriptor_issue:
         return f"no tensor descriptor fits: {problem.descriptor_issue}"
     return _host.dtype_supported(problem, device)
-
-
-def gluon_accepts(problem: Problem, device) -> str | None:
-    """Predicate of the Gluon forward (``GLUON_FORWARD``): a CUDA device, Triton 3.6, a
-    large enough call (:func:`flash_attn_gluon.issue`) and the descriptor predicate."""
-    reason = _gluon.runs_here(problem.device.type)
-    if reason:
-        return reason
-    if problem.options:
-        return (f"the Gluon kernels compute plain attention; this call sets {problem.options} "
-                "(the Triton kernels take every option)")
-    if problem.gluon_issue:
-        return problem.gluon_issue
-    return tma_accepts(problem, device)
 
 
 def _block_d(d: int) -> int:
@@ -1301,11 +1283,6 @@ def _forward(plan, q, k, v, causal: bool, scale: float,
     mods = _mods(causal) if mods is None else mods
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    if plan.switches.get("GLUON_FORWARD") and n_k and q.numel() and mods.plain:
-        # It allocates its own outputs (one torch.empty is 3-6 µs of an eager call's host
-        # time on the H200's host).
-        plan.cached((NAME, "gluon forward tile"), flash_attn_gluon.tile)
-        return flash_attn_gluon.forward(q, k, v, causal, scale, plan)
     out, lse = _outputs(q, mods)
     if out.numel() == 0:
         return out, lse
@@ -1391,37 +1368,34 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float, mods: Mod
     # on the backward takes descriptors.
     longest = max(mods.max_q, mods.max_k) if mods.varlen else max(n_q, n_k)
     tma = plan.switches["TMA"] and longest >= setup.tma_min_seq
-    gluon = (plan.switches["GLUON_DKDV"] and mods.plain
-             and flash_attn_gluon.backward_takes(n_k, d))
-    if (tma or gluon) and _descriptor_issue(d, do, do, do):
-        # The forward's inputs passed tma_accepts; the incoming gradient may be any view
-        # (an expanded scalar's gradient has zero strides, a slice of a larger buffer can
-        # start off a 16-byte boundary): one copy into a new buffer makes it describable
-        # (``contiguous()`` would return a contiguous but misaligned view as it is).
-        do = do.clone(memory_format=torch.contiguous_format)
-        if mods.varlen:
-            do = do[0].transpose(0, 1).contiguous().transpose(0, 1)[None]
+    if tma:
+        do = describable_grad(do, d, mods)
     delta = torch.empty_like(lse)
     _launch_preprocess(out, do, delta, dq_m, dq_opts, plan, mods)
-    if gluon and plan.switches["GLUON_DQ"]:
-        # dq's shares from every key tile meet in fp32, rounded once at the end.
-        dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
-        flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale,
-                                  dq_acc=dq_acc, plan=plan)
-        return dq_acc.to(q.dtype), dk, dv
     if mods.varlen:
         dq = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
     else:
         dq = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
     with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
-        if gluon:
-            flash_attn_gluon.backward(q, k, v, do, lse, delta, dk, dv, causal, scale, plan=plan)
-        else:
-            _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
-                         upcast, tma, dkdv_opts, plan, mods)
+        _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
+                     upcast, tma, dkdv_opts, plan, mods)
         _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts,
                    plan, mods)
     return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)
+
+
+def describable_grad(do: torch.Tensor, d: int, mods: Mods) -> torch.Tensor:
+    """``do`` as tensor descriptors take it. The forward's inputs passed
+    :func:`tma_accepts`; the incoming gradient may be any view (an expanded scalar's
+    gradient has zero strides, a slice of a larger buffer can start off a 16-byte
+    boundary): one copy into a new buffer makes it describable (``contiguous()`` would
+    return a contiguous but misaligned view as it is)."""
+    if not _descriptor_issue(d, do, do, do):
+        return do
+    do = do.clone(memory_format=torch.contiguous_format)
+    if mods.varlen:
+        do = do[0].transpose(0, 1).contiguous().transpose(0, 1)[None]
+    return do
 
 
 def sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
@@ -1540,8 +1514,38 @@ def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool 
                                     or (sinks is not None and sinks.requires_grad)):
         out, lse = _FlashAttnFunction.apply(plan, q, k, v, sinks, causal, scale, mods)
     else:
-        out, lse = _forward(plan, q, k, v, causal, scale, mods)
+        out, lse = stages(plan).forward(plan, q, k, v, causal, scale, mods)
     return (out, lse) if return_lse else out
+
+
+class Stages(NamedTuple):
+    """A variant's forward and backward, with :func:`_forward`'s and :func:`_backward`'s
+    signatures and contract: ``forward`` returns ``(out, lse)``, ``backward`` takes them
+    with the incoming gradient and returns ``(dq, dk, dv)``, and with ``return_delta`` also
+    ``delta`` = rowsum(dO ∘ O) in the LSE's layout (the sinks' gradient reads it)."""
+    forward: Callable[..., tuple]
+    backward: Callable[..., tuple]
+
+
+def stages(plan) -> Stages:
+    """The stages ``plan``'s variant runs: those of a launcher :func:`launcher` made, else
+    this module's (looked up when called, as tools that stand in for them expect).
+    ``portable_kernels.ops``, which runs forward and backward as separate operators, finds
+    them here."""
+    own = getattr(plan.variant.launch, "stages", None)
+    return Stages(_forward, _backward) if own is None else own
+
+
+def launcher(own: Stages) -> Callable[..., Any]:
+    """The launch function of a variant that runs kernels of its own (a backend's, for one
+    architecture): :func:`launch`'s argument checks, options and autograd around ``own``,
+    whose stages may hand any call they do not take to :func:`_forward` and
+    :func:`_backward`."""
+    def launch_own(plan, *args, **kwargs):
+        return launch(plan, *args, **kwargs)
+
+    launch_own.stages = own
+    return launch_own
 
 
 # --- autograd -------------------------------------------------------------------------------
@@ -1553,7 +1557,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, q, k, v, sinks, causal, scale, mods):
-        out, lse = _forward(plan, q, k, v, causal, scale, mods)
+        out, lse = stages(plan).forward(plan, q, k, v, causal, scale, mods)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.causal, ctx.scale, ctx.mods = plan, causal, scale, mods
         ctx.mark_non_differentiable(lse)
@@ -1566,8 +1570,8 @@ class _FlashAttnFunction(torch.autograd.Function):
         mods = ctx.mods
         sinks = mods.options.sinks
         with _host.launching(dout.device):
-            dq, dk, dv, delta = _backward(ctx.plan, dout, q, k, v, out, lse, ctx.causal,
-                                          ctx.scale, mods, return_delta=True)
+            dq, dk, dv, delta = stages(ctx.plan).backward(
+                ctx.plan, dout, q, k, v, out, lse, ctx.causal, ctx.scale, mods, return_delta=True)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             dsinks = sinks_grad(sinks, lse, delta, mods.varlen)
@@ -1602,16 +1606,14 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
     :data:`SWITCHES`; ``kwargs`` are :class:`Variant` fields (priority, configs, ...).
     Backends register their variants through this, so they hold no kernel code."""
     switches = dict(switches or {})
-    unknown = sorted(set(switches) - SWITCHES.keys() - HOST_SWITCHES.keys())
+    unknown = sorted(set(switches) - SWITCHES.keys())
     if unknown:
-        raise ValueError(f"{NAME}: unknown switches {unknown}; "
-                         f"known: {sorted({*SWITCHES, *HOST_SWITCHES})}")
+        raise ValueError(f"{NAME}: unknown switches {unknown}; known: {sorted(SWITCHES)}")
     if switches.get("HEAD_SPLIT", 1) not in (1, 2):
         raise ValueError(f"{NAME}: HEAD_SPLIT must be 1 or 2, got {switches['HEAD_SPLIT']}")
     kwargs.setdefault("accepts", _host.dtype_supported)
     kwargs.setdefault("configs", default_configs)
-    return Variant(NAME, name, launch, switches={**SWITCHES, **HOST_SWITCHES, **switches},
-                   **kwargs)
+    return Variant(NAME, name, launch, switches={**SWITCHES, **switches}, **kwargs)
 
 
 def register(registry) -> None:

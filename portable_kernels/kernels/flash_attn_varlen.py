@@ -104,7 +104,8 @@ def problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
         _check_values(cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k")
     q4, k4, v4 = views(q, k, v)
     return flash_attn.Problem(device, dtype, d, bool(causal), h != h_kv,
-                              flash_attn._descriptor_issue(d, q4, k4, v4), "",
+                              flash_attn._descriptor_issue(d, q4, k4, v4),
+                              flash_attn.key_class(max_seqlen_k),
                               flash_attn.options_key(options, True))
 
 

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from ..registry import KernelSpec, Variant
-from . import _host, cross_entropy, matmul
+from . import _host, cross_entropy
 
 NAME = "fused_linear_cross_entropy"
 
@@ -102,13 +102,15 @@ _MATMUL: list = []  # the matmul handle, made on first use (it rebinds to a new 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` by the matmul family's variant for these operands: its plan (selection,
-    tuning) from the handle, launched here, where the caller holds the device's launch
-    guard (a handle call would take it again)."""
+    tuning) from the handle, launched here through the variant's own launcher (a backend's
+    variant may have one), where the caller holds the device's launch guard (a handle call
+    would take it again)."""
     if not _MATMUL:
         from ..dispatch import get_kernel  # not at import: dispatch loads the kernel modules
 
         _MATMUL.append(get_kernel("matmul"))
-    return matmul.launch(_MATMUL[0].plan(a, b), a, b)
+    plan = _MATMUL[0].plan(a, b)
+    return plan.launch(plan, a, b)
 
 
 def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(False, False, False)):

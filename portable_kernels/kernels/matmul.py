@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _counters, _gluon, _host, _tiles, matmul_gluon
+from . import _counters, _host, _tiles
 
 NAME = "matmul"
 
@@ -82,10 +82,6 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
 #: Switches a config may set, overriding the variant's (see the module docstring). Turning
 #: TMA off is always safe: the pointer path takes any layout the descriptor path takes.
 CONFIG_SWITCHES = ("TMA", "PERSISTENT")
-#: Switches the host launcher reads, never passed to the kernel. GLUON (``nvidia.hopper_gluon``,
-#: whose predicate must be :func:`gluon_accepts`): the product runs ``matmul_gluon``'s
-#: kernel instead of this module's.
-HOST_SWITCHES = ("GLUON",)
 
 
 _matmul_launch_metadata = _host.gemm_launch_metadata("a", "c")
@@ -266,21 +262,12 @@ class Problem(NamedTuple):
     a_layout: str     # _host.tma_layout(a): "row", "col" or "" (no descriptor can take it)
     b_layout: str
     n_aligned: bool   # output rows (N elements) are a multiple of 16 bytes: a TMA store fits
-    gluon_issue: str  # why matmul_gluon's kernel does not take a call of this size, or ""
-
-
-def _gluon_issue(a, b) -> str:
-    """Why the Gluon kernel leaves ``a @ b`` to this module's by its size, or "". Fixed
-    messages (no sizes in them), so that the selection cache keeps few entries."""
-    if a.dim() != 2 or b.dim() != 2:
-        return ""  # the launcher's checks name the problem
-    if a.shape[1] == 0:
-        return "K is 0: the output is all zeros"
-    if matmul_gluon.tiles(a.shape[0], b.shape[1]) < matmul_gluon.MIN_TILES:
-        return (f"fewer than MIN_TILES={matmul_gluon.MIN_TILES} output tiles of "
-                f"{matmul_gluon.BLOCK_M}x{matmul_gluon.BLOCK_N}: some SMs would idle, where "
-                "the Triton kernel splits K")
-    return ""
+    # M, N and K (0 where an operand is not 2-D: the launcher's checks name it), for
+    # predicates about size. A new size costs one selection, where the autotuner (keyed
+    # on them too) costs far more.
+    m: int
+    n: int
+    k: int
 
 
 def problem(a, b) -> Problem:
@@ -288,9 +275,9 @@ def problem(a, b) -> Problem:
     device = _host.same_device(NAME, a=a, b=b)
     # Output rows of N elements: 2 bytes each for fp8 operands (bf16 output).
     n_aligned = b.dim() == 2 and (b.shape[1] * max(2, b.element_size())) % 16 == 0
+    m, k = a.shape if a.dim() == 2 else (0, 0)
     return Problem(device, a.dtype, _host.tma_layout(a), _host.tma_layout(b), n_aligned,
-                   # Only CUDA tensors can take the Gluon kernel: skip its checks elsewhere.
-                   _gluon_issue(a, b) if device.type == "cuda" else "")
+                   m, b.shape[1] if b.dim() == 2 else 0, k)
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
@@ -305,20 +292,6 @@ def tma_accepts(problem: Problem, device) -> str | None:
     if not problem.n_aligned:
         return "output rows (N elements) are not a multiple of 16 bytes, which a TMA store needs"
     return _host.dtype_supported(problem, device)
-
-
-def gluon_accepts(problem: Problem, device) -> str | None:
-    """Predicate of the Gluon kernel (``GLUON``): a CUDA device, Triton 3.6, 16-bit
-    operands, enough output tiles (:func:`_gluon_issue`) and the descriptor predicate."""
-    reason = _gluon.runs_here(problem.device.type)
-    if reason:
-        return reason
-    if problem.dtype not in matmul_gluon.DTYPES:
-        return (f"{_host._dtype_name(problem.dtype)} operands take the Triton kernel (the "
-                "Gluon one takes float16 and bfloat16)")
-    if problem.gluon_issue:
-        return problem.gluon_issue
-    return tma_accepts(problem, device)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -412,7 +385,7 @@ def _tuned_kernel(plan, itemsize: int) -> _Tuned:
     entry, every config carries those switches (the variant's values where it sets none)
     and the launch passes the rest; otherwise the launch passes every switch."""
     def build():
-        switches = {k: v for k, v in plan.switches.items() if k not in HOST_SWITCHES}
+        switches = dict(plan.switches)
         configs = operand_configs(plan.configs, itemsize)
         if any(name in c.kwargs for c in configs for name in CONFIG_SWITCHES):
             defaults = {name: switches.get(name, False) for name in CONFIG_SWITCHES}
@@ -461,9 +434,6 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if K == 0:
         return out.zero_()
     num_sms = plan.device.num_sms
-    if plan.switches.get("GLUON"):
-        plan.cached((NAME, "gluon tile"), matmul_gluon.tile)
-        return matmul_gluon.matmul(a, b, out, num_sms, plan)
 
     def grid(meta):
         bm, bn = meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]

@@ -1,12 +1,12 @@
 """flash_attn's Hopper forward and backward written in Gluon (FlashAttention-3's schedules),
 for ``nvidia.hopper_gluon``.
 
-Why second kernels: the family's Triton kernels (``flash_attn.py``) cannot get sm_90's
-overlap of the softmax with the matrix products from Triton 3.6. Its warp-specialized loop
-(``WARP_SPECIALIZE``) computed wrong outputs on the H200, and without it the compiler runs
-each program's warpgroups in lockstep, one CTA barrier per key block (see
-docs/performance.md). Gluon, Triton's lower-level language that ships with it, states the
-partitions, barriers and asynchronous MMAs by hand, so these kernels are written in it.
+Why second kernels: the family's Triton kernels (``portable_kernels/kernels/flash_attn.py``)
+cannot get sm_90's overlap of the softmax with the matrix products from Triton 3.6. Its
+warp-specialized loop (``WARP_SPECIALIZE``) computed wrong outputs on the H200, and without
+it the compiler runs each program's warpgroups in lockstep, one CTA barrier per key block
+(see docs/performance.md). Gluon, Triton's lower-level language that ships with it, states
+the partitions, barriers and asynchronous MMAs by hand, so these kernels are written in it.
 The math is the family's: the same online softmax with exp2 and the scale folded in, the
 same ``out`` and ``lse`` (fp32, natural log, (B, H, Nq)) contract and the same ``delta``
 (the family's preprocess kernel computes it), so either side runs with the family's other.
@@ -53,8 +53,8 @@ dSᵀ goes through shared memory, each warpgroup takes half of dq's columns over
 keys, and the copy engine adds the fp32 block into a zeroed (B, H, Nq, D) buffer, so dq's
 bits depend on the order the tiles' adds land in.
 
-Limits (``gluon_accepts`` in ``flash_attn.py``, the NVIDIA backend's ``accepts`` and
-:func:`issue`): sm_90 CUDA tensors (Gluon does not run under Triton's interpreter), Triton
+Limits (``accepts`` in this package's ``flash_attn.py``, the variant's predicate, and
+``keys_issue``): sm_90 CUDA tensors (Gluon does not run under Triton's interpreter), Triton
 3.6, the descriptor predicate of the family (fp16/bf16, D 64 or 128, 16-byte aligned
 strides), and at least :data:`MIN_KEYS` keys (by head dim). Other problems go to
 ``nvidia.hopper``. The backward runs here from :data:`BWD_MIN_KEYS` keys
@@ -74,9 +74,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import _counters, _host
-from ._gluon import FixedTile, descriptor
-from ._gluon import tma_load as _tma_load
+from portable_kernels.kernels import _counters, _host
+
+from ._common import FixedTile, descriptor
+from ._common import tma_load as _tma_load
 
 #: Query rows per consumer warpgroup (sm_90's MMA works on 64-row blocks).
 BLOCK_M = 64
@@ -179,18 +180,6 @@ def tile() -> FixedTile:
     """The forward's tile, as ``portable-kernels tune`` reports it."""
     return FixedTile(f"Gluon forward: BLOCK_M: {BLOCK_M} per consumer warpgroup, BLOCK_N: "
                      f"{BLOCK_N}, STAGES: {STAGES} (fixed)")
-
-
-def issue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Why the variant declines q (B, H, Nq, D), k, v (B, H_kv, Nk, D) beyond the descriptor
-    predicate (dtype, D, alignment), or "". Runs on every CUDA call; the message does not
-    name Nk, so that the selection cache keeps one entry per head dim for short sequences."""
-    d = q.shape[-1]
-    least = MIN_KEYS.get(d, 0)
-    if k.shape[2] < least:
-        return (f"Nk is below {least} keys (MIN_KEYS at D={d}), where its fixed set-up per "
-                "program measured slower than nvidia.hopper")
-    return ""
 
 
 def backward_takes(n_k: int, d: int) -> bool:

@@ -3,10 +3,10 @@ warp-specialized product with the partitions stated by hand (CUTLASS's "cooperat
 schedule).
 
 Why a second kernel: Triton 3.6's warp-specialized loop (``WARP_SPECIALIZE`` in
-``matmul.py``) specializes only 4-warp configs with 64×128 tiles on sm_90, and without it
-the compiler runs each program's warpgroups in lockstep: the copies are issued by the warps
-that also issue the MMAs, and every program's epilogue stops its MMAs (see
-docs/performance.md). In Gluon the roles are separate partitions:
+``portable_kernels/kernels/matmul.py``) specializes only 4-warp configs with 64×128 tiles on
+sm_90, and without it the compiler runs each program's warpgroups in lockstep: the copies
+are issued by the warps that also issue the MMAs, and every program's epilogue stops its
+MMAs (see docs/performance.md). In Gluon the roles are separate partitions:
 
 - a producer warp walks the program's tiles and streams the A and B blocks of each K step
   into ``STAGES`` shared-memory buffers through the copy engine (TMA), each buffer guarded
@@ -25,13 +25,13 @@ Tiles are visited in grouped order (``GROUP_M`` rows of tiles column by column, 
 ``grid = min(SMs, tiles)``.
 
 Operands: fp16 or bf16, ``a`` (M, K) and ``b`` (K, N) row- or column-major (a column-major
-operand is described through its transpose, ``A_T``/``B_T``, and read transposed from
-shared memory by the MMA), 16-byte aligned strides; the copy engine reads zeros past M, N
-and K and clips the stores, so any sizes work. Limits (``gluon_accepts`` and
-``_gluon_issue`` in ``matmul.py``, and the NVIDIA backend's predicate): sm_90 CUDA tensors,
-Triton 3.6, and at least :data:`MIN_TILES` output tiles. Smaller problems, fp32 and fp8 take the family's
-Triton kernel (``nvidia.persistent_tma``'s switches and table), which has split-K for
-outputs with few tiles.
+operand is described through its transpose, ``A_T``/``B_T``, and read transposed from shared
+memory by the MMA), 16-byte aligned strides; the copy engine reads zeros past M, N and K and
+clips the stores, so any sizes work. Limits (``accepts`` in this package's ``matmul.py``,
+the variant's predicate): sm_90 CUDA tensors, Triton 3.6, and at least :data:`MIN_TILES`
+output tiles. Smaller problems, fp32 and fp8 take the family's Triton kernel
+(``nvidia.persistent_tma``'s switches and table), which has split-K for outputs with few
+tiles.
 """
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import _host
-from ._gluon import FixedTile, descriptor, tma_load, tma_store
-from ._tiles import grouped_tile
+from portable_kernels.kernels import _host
+from portable_kernels.kernels._tiles import grouped_tile
+
+from ._common import FixedTile, descriptor, tma_load, tma_store
 
 #: Output rows per tile: one 64-row block per consumer warpgroup (sm_90's MMA works on
 #: 64-row blocks).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device-tool call on the GPU machine: install, run the test suite compiled, run the
-# benchmarks, and leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
-#   bash bench/gpu_session.sh [tests|large|serial|bench|all|memcheck] [extra pytest args...]
+# One run on a GPU machine: install, run the test suite compiled, run the benchmarks, and
+# leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
+#   bash bench/gpu_run.sh [tests|large|serial|bench|all|memcheck] [extra pytest args...]
 # tests: the suite without the large-tensor tests, in 8 pytest-xdist workers (about 3 minutes
 #   on the H200); large: tests/test_large.py alone, one process (each test holds tens of GB);
 #   serial: the given test files (default: all) in one process, as a user's plain `pytest`
@@ -40,11 +40,13 @@ if [[ $what == memcheck ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/dispatch_overhead.py --json "$out/dispatch.json" 2>&1 | tee "$out/dispatch.txt"
-  for b in bench/matmul.py bench/flash_attn.py bench/flash_attn_memory.py; do
+  for b in bench/layers.py bench/matmul.py bench/flash_attn.py bench/flash_attn_memory.py \
+           bench/serving_attention.py; do
     [[ -f $b ]] || continue
-    timeout 420 python3 "$b" --out "$out/$(basename "$b" .py)" >"$out/$(basename "$b" .py).txt" 2>&1
+    name=$(basename "$b" .py)
+    timeout 420 python3 "$b" --json "$out/$name.json" --plot "$out/$name-plots" >"$out/$name.txt" 2>&1
     summary+=("$b rc=$?")
-    tail -n 40 "$out/$(basename "$b" .py).txt"
+    tail -n 40 "$out/$name.txt"
   done
 fi
 printf '%s\n' "${summary[@]}"

@@ -1,0 +1,262 @@
+"""The elementwise and norm layers against torch's own operators, as memory bandwidth.
+
+Families: ``vector_add``, ``softmax``, ``layer_norm``, ``rms_norm``, ``add_rms_norm``
+(residual add and RMS norm), ``swiglu`` and ``geglu`` (one fused (..., 2I) gate-up tensor, as
+models store it), ``rope`` (q and k of 128-wide heads, GQA 4:1, fp32 tables), ``asin``; on
+transformer-sized rows (tokens x hidden). Each is memory-bound, so a row reports GB/s:
+the bytes a kernel must move (inputs read once, outputs written once) over its time, ours
+and torch's (``torch.nn.functional``'s layer, ``torch.softmax``, ``x + y``; the add then
+``rms_norm``; ``silu(g) * u``, ``gelu(g, tanh) * u`` and rotate-half rotary embeddings as eager
+torch runs them, a kernel per operation), and ours over torch's.
+With ``--backward`` the backward is timed too (every family here is differentiable; its bytes:
+the forward's inputs and the incoming gradient read, the gradients written).
+
+Every implementation is checked against the family's float64 reference, within the
+tolerance table's bound for its kind, before it is timed. Dropout is left out: its mask
+has no torch counterpart to check against.
+
+    python bench/layers.py [--quick] [--dtypes fp16,bf16] [--cudagraph] [--backward]
+                           [--json PATH] [--plot DIR] [--set MODULE.NAME=VALUE ...]
+
+Needs an NVIDIA GPU; on a CPU-only machine it exits saying what to run instead.
+"""
+from __future__ import annotations
+
+import portable_kernels  # noqa: F401  (first: it chooses the interpreter before triton is imported)
+
+import time
+from typing import Any, Callable
+
+import torch
+import triton
+
+from portable_kernels import ops, plugins
+from portable_kernels.testing import assert_close, tolerance
+
+import _common  # bench/, beside this script
+
+F = torch.nn.functional
+
+#: (tokens, hidden): a decode batch, and prefill-sized blocks of two model widths.
+SHAPES = [(16, 4096), (4096, 4096), (8192, 8192)]
+QUICK = [(4096, 4096)]
+#: family -> the tolerance kind of its outputs (testing.TOLERANCES).
+KINDS = {"vector_add": "elementwise", "softmax": "reduction", "layer_norm": "reduction",
+         "rms_norm": "reduction", "add_rms_norm": "reduction", "swiglu": "elementwise",
+         "geglu": "elementwise", "rope": "elementwise", "asin": "elementwise"}
+#: How many of a family's leading arguments take a gradient (the others: all of them).
+GRAD_ARGS = {"rope": 2}
+FAMILIES = list(KINDS)
+
+
+def inputs(family: str, tokens: int, hidden: int, dtype: torch.dtype, device) -> tuple:
+    """Fresh ``torch.randn`` arguments of one call (asin's in (-1, 1); the gated
+    activations' fused gate-up tensor (tokens, 2 * hidden))."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device).to(dtype)
+
+    if family == "vector_add":
+        return randn(tokens, hidden), randn(tokens, hidden)
+    if family == "softmax":
+        return (randn(tokens, hidden),)
+    if family == "layer_norm":
+        return randn(tokens, hidden), randn(hidden), randn(hidden)
+    if family == "rms_norm":
+        return randn(tokens, hidden), randn(hidden)
+    if family == "add_rms_norm":
+        return randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+    if family == "rope":
+        heads = max(1, hidden // 128)
+        d = hidden // heads
+        angles = torch.rand(tokens, d // 2, device=device) * 6.283
+        return (randn(1, tokens, heads, d), randn(1, tokens, max(1, heads // 4), d),
+                angles.cos(), angles.sin())
+    if family in ("swiglu", "geglu"):
+        return (randn(tokens, 2 * hidden),)
+    if family == "asin":
+        return (torch.rand(tokens, hidden, device=device).mul(2).sub(1).mul(0.999).to(dtype),)
+    raise KeyError(family)
+
+
+def torch_op(family: str) -> Callable[..., torch.Tensor]:
+    """Torch's own operator for ``family``, on the same arguments as ours."""
+    if family == "vector_add":
+        return lambda x, y: x + y
+    if family == "softmax":
+        return lambda x: torch.softmax(x, dim=-1)
+    if family == "layer_norm":
+        return lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
+    if family == "rms_norm":
+        return lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6)
+    if family == "add_rms_norm":
+        def add_rms_norm(x, r, w):
+            summed = x + r
+            return F.rms_norm(summed, x.shape[-1:], w, 1e-6), summed
+        return add_rms_norm
+    if family == "rope":
+        return _torch_rope
+    if family == "swiglu":
+        return lambda gu: F.silu(gu[..., :gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2:]
+    if family == "geglu":
+        return lambda gu: (F.gelu(gu[..., :gu.shape[-1] // 2], approximate="tanh")
+                           * gu[..., gu.shape[-1] // 2:])
+    if family == "asin":
+        return torch.asin
+    raise KeyError(family)
+
+
+def _torch_rope(q, k, cos, sin):
+    """Rotate-half rotary embeddings as eager torch code writes them (Hugging Face's
+    ``apply_rotary_pos_emb``), tables at positions 0..S-1."""
+    c = cos[: q.shape[1]][None, :, None, :]
+    s = sin[: q.shape[1]][None, :, None, :]
+
+    def rotate(x):
+        x1, x2 = x[..., : c.shape[-1]], x[..., c.shape[-1]:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def _tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def ours(family: str) -> Callable[..., torch.Tensor]:
+    """Our operator (``portable_kernels.ops``: differentiable in every family here)."""
+    return getattr(ops, family)
+
+
+def moved_bytes(args: tuple, out, backward: bool) -> int:
+    """Bytes one call must move: its tensors read once and its outputs written once; for
+    the backward, the inputs and the incoming gradients read and a gradient per input
+    written."""
+    size = sum(a.numel() * a.element_size() for a in args)
+    out_size = sum(o.numel() * o.element_size() for o in _tuple(out))
+    return 2 * size + out_size if backward else size + out_size
+
+
+def backward_call(family: str, fn: Callable, args: tuple) -> Callable[[], Any]:
+    """One backward of ``fn`` on ``args`` (its forward run once, outside), as a call."""
+    n = GRAD_ARGS.get(family, len(args))
+    leaves = [a.detach().requires_grad_() for a in args[:n]]
+    outs = _tuple(fn(*leaves, *args[n:]))
+    dys = [torch.randn_like(o) for o in outs]
+    return lambda: torch.autograd.grad(outs, leaves, dys, retain_graph=True)
+
+
+def check(family: str, fn: Callable, args: tuple) -> torch.Tensor:
+    """``fn(*args)`` checked against the family's float64 reference; returns the output."""
+    out = fn(*args)
+    ref = plugins.host().registry.spec(family).reference(*(a.double() for a in args))
+    tol = tolerance(args[0].dtype, KINDS[family])
+    outs, refs = _tuple(out), _tuple(ref)
+    assert len(outs) == len(refs), f"{family}: {len(outs)} outputs, the reference {len(refs)}"
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert_close(o, r, tol, f"{family} output {i}")
+    return out
+
+
+def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: Any) -> dict:
+    row: dict = {"family": family, "tokens": tokens, "hidden": hidden,
+                 "dtype": str(dtype).removeprefix("torch."), "ms": {}, "gbps": {}, "error": {}}
+    args = inputs(family, tokens, hidden, dtype, "cuda")
+    passes = ["fwd"] + (["bwd"] if args_.backward else [])
+    for name, fn in (("ours", ours(family)), ("torch", torch_op(family))):
+        out = _common.first_call(row, name, lambda fn=fn: check(family, fn, args))
+        if out is None:
+            continue
+        for p in passes:
+            key = f"{name} {p}"
+            if p == "fwd":
+                call = lambda fn=fn: fn(*args)  # noqa: E731
+            else:
+                call = backward_call(family, fn, args)
+            _common.timed(row, key, call, 0.0, args_.cudagraph)
+            row["gbps"][key] = moved_bytes(args, out, p == "bwd") / (row["ms"][key] * 1e-3) / 1e9
+    return row
+
+
+def ratio(row: dict, p: str) -> float | None:
+    mine, theirs = row["gbps"].get(f"ours {p}"), row["gbps"].get(f"torch {p}")
+    return None if mine is None or theirs is None else mine / theirs
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "GB/s (bytes a call must move over its time); × torch: ours over torch's", "",
+             "| family | tokens | hidden | dtype | ours fwd | torch fwd | × torch | ours bwd | torch bwd | × torch |",
+             "|:--|--:|--:|:--|--:|--:|--:|--:|--:|--:|"]
+
+    def fmt(value: float | None, spec: str = ".0f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        g = r["gbps"]
+        lines.append(f"| {r['family']} | {r['tokens']} | {r['hidden']} | {r['dtype']} | "
+                     f"{fmt(g.get('ours fwd'))} | {fmt(g.get('torch fwd'))} | {fmt(ratio(r, 'fwd'), '.2f')} | "
+                     f"{fmt(g.get('ours bwd'))} | {fmt(g.get('torch bwd'))} | {fmt(ratio(r, 'bwd'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_benchmarks(rows: list[dict]) -> list[triton.testing.Benchmark]:
+    """One plot per dtype and pass: GB/s of ours and torch's against the family."""
+    plots = []
+    for dtype in sorted({r["dtype"] for r in rows}):
+        for p in ("fwd", "bwd"):
+            if not any(f"ours {p}" in r["gbps"] for r in rows if r["dtype"] == dtype):
+                continue
+            plots.append(triton.testing.Benchmark(
+                x_names=["case"], x_vals=[f"{r['family']} {r['tokens']}x{r['hidden']}"
+                                          for r in rows if r["dtype"] == dtype],
+                line_arg="provider", line_vals=["ours", "torch"], line_names=["ours", "torch"],
+                ylabel="GB/s", plot_name=f"layers-{dtype}-{p}", args={"dtype": dtype, "p": p}))
+    return plots
+
+
+def measured(rows: list[dict]) -> Callable[..., float]:
+    by_case = {(f"{r['family']} {r['tokens']}x{r['hidden']}", r["dtype"]): r for r in rows}
+
+    def gbps(case, provider, dtype, p):
+        row = by_case.get((case, dtype))
+        return _common.nan_if_none(None if row is None else row["gbps"].get(f"{provider} {p}"))
+
+    return gbps
+
+
+def main() -> None:
+    parser = _common.options(__doc__, f"only (tokens, hidden) in {QUICK}")
+    parser.add_argument("--backward", action="store_true", help="time the backward too")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated, among {', '.join(FAMILIES)}")
+    args = parser.parse_args()
+    families = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown or not families:
+        parser.error(f"--families: unknown {', '.join(unknown) or 'empty list'}; choose among "
+                     f"{', '.join(FAMILIES)}")
+    settings = _common.apply_settings(args.set)
+    info = _common.nvidia_gpu("bench/layers.py", "against torch's operators",
+                              "tests/test_softmax.py tests/test_layer_norm.py ...")
+    dtypes = _common.dtypes(args.dtypes)
+    header = _common.header("elementwise and norm layers", info, args.cudagraph)
+    meta = {**_common.meta(info, args.cudagraph), "settings": settings}
+    print(header)
+    rows, start = [], time.time()
+    for dtype in dtypes:
+        for family in families:
+            for tokens, hidden in (QUICK if args.quick else SHAPES):
+                row = bench_row(family, tokens, hidden, dtype, args)
+                rows.append(row)
+                cells = "  ".join(f"{k} {v:7.0f} GB/s" for k, v in row["gbps"].items())
+                print(f"{family:>10} {tokens:>5}x{hidden:<5} {row['dtype']:>8}  {cells}", flush=True)
+                _common.write(args.json, rows, {**meta, "elapsed_s": time.time() - start},
+                              lambda rows_: markdown(rows_, header))
+                torch.cuda.empty_cache()
+    print(markdown(rows, header))
+    print(_common.save_plots(args.plot, plot_benchmarks(rows), measured(rows)))
+    _common.closing(args.json, rows, lambda r: f"{r['family']} {r['tokens']}x{r['hidden']} {r['dtype']}",
+                    start)
+
+
+if __name__ == "__main__":
+    main()
