@@ -17,6 +17,17 @@ Columns:
 - ``host``: microseconds of host time per eager call of ours (the Python and launch path;
   calls issued back to back, timed before the final synchronize).
 
+Two more tables (``--modes``; all three by default), for the other serving targets:
+
+- ``prefill``: a packed batch of 16 sequences of random lengths 100-4096 (seeded), causal,
+  bf16, H = 32 over H_kv = 8, D = 128: ``flash_attn_varlen`` against our fixed-length
+  ``flash_attn`` on an equal-token batch (one sequence of the same total, so equal FLOPs
+  of causal attention would be an overestimate: both are counted as the varlen batch's
+  causal FLOPs, ``2·2·sum(n²/2)·H·D``), and against SDPA on the padded (16, H, max, D)
+  batch with a boolean padding-and-causal mask (its best backend that takes a mask);
+- ``window``: N = 16384, causal, a 1024-key window (``window_size=(1023, 0)``) against the
+  same call without the window: the time ratio (the target is at most 0.35).
+
 Ours is checked against SDPA before it is timed (the library's "attention" tolerance); a
 wrong result is reported and not timed. Device times are the median of
 ``triton.testing.do_bench`` (``--cudagraph``: of CUDA-graph replays).
@@ -140,13 +151,119 @@ def _row(batch: int, keys: int, layout: str, dtype: torch.dtype, cudagraph: bool
     return row
 
 
+def _prefill_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
+    """The packed-batch prefill row (module docstring)."""
+    from torch.nn.attention import sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(100, 4097, (4 if quick else 16,), generator=gen).tolist()
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    q = torch.randn(total, H, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(total, H_KV, D, device="cuda", dtype=dtype) for _ in range(2))
+    flops = sum(2 * 2 * n * n / 2 * H * D for n in lengths)
+    row = {"case": f"varlen {len(lengths)} seqs, {total} tokens", "ms": {}, "tflops": {},
+           "error": {}}
+    varlen = pk.get_kernel("flash_attn_varlen")
+    dense = pk.get_kernel("flash_attn")
+
+    def ours():
+        return varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+    q1, k1, v1 = (t.transpose(0, 1)[None] for t in (q, k, v))
+
+    def fixed():
+        return dense(q1, k1, v1, causal=True)
+
+    padded = [torch.zeros(len(lengths), heads, longest, D, device="cuda", dtype=dtype)
+              for heads in (H, H_KV, H_KV)]
+    valid = torch.zeros(len(lengths), longest, dtype=torch.bool, device="cuda")
+    for i, n in enumerate(lengths):
+        for dst, src in zip(padded, (q, k, v)):
+            dst[i, :, :n] = src[cu[i]:cu[i] + n].transpose(0, 1)
+        valid[i, :n] = True
+    causal = torch.ones(longest, longest, dtype=torch.bool, device="cuda").tril()
+    mask = (causal[None] & valid[:, None, :])[:, None]
+
+    sdpa = {}
+    for name, backend in _sdpa_backends().items():
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    *padded, attn_mask=mask, enable_gqa=True)
+        if _common.first_call(row, f"sdpa_{name}", run) is not None:
+            sdpa[name] = run
+    out = _common.first_call(row, "ours", ours)
+    if out is not None and sdpa:
+        ref = next(iter(sdpa.values()))()
+        got = torch.cat([out[cu[i]:cu[i] + n].transpose(0, 1) for i, n in enumerate(lengths)], 1)
+        want = torch.cat([ref[i, :, :n] for i, n in enumerate(lengths)], 1)
+        try:
+            assert_close(got, want, tolerance(dtype, "attention"), "ours")
+        except AssertionError as exc:
+            row["error"]["ours"] = str(exc)
+            out = None
+    timed = {"fixed-length flash_attn": fixed, **{f"sdpa_{n}": r for n, r in sdpa.items()}}
+    if out is not None:
+        timed["ours"] = ours
+    for name, fn in timed.items():
+        row["ms"][name] = triton.testing.do_bench(fn, return_mode="median")
+        row["tflops"][name] = flops / (row["ms"][name] * 1e-3) / 1e12
+    if sdpa:
+        best = min(sdpa, key=lambda n: row["ms"][f"sdpa_{n}"])
+        row["sdpa_best"], row["ms"]["sdpa"] = best, row["ms"][f"sdpa_{best}"]
+    return [row]
+
+
+def _window_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Sliding-window causal attention against full causal attention (module docstring)."""
+    n, window = (4096 if quick else 16384), 1024
+    q = torch.randn(1, H, n, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, H_KV, n, D, device="cuda", dtype=dtype) for _ in range(2))
+    fa = pk.get_kernel("flash_attn")
+    row = {"case": f"N={n}, window {window}", "ms": {}, "tflops": {}, "error": {}}
+    windowed = _common.first_call(
+        row, "window", lambda: fa(q, k, v, causal=True, window_size=(window - 1, 0)))
+    if windowed is not None:
+        from portable_kernels.kernels import _attn_mods
+
+        # Rows 0 and 5000-ish of one head against the float64 reference of their keys.
+        for i in (0, n // 2 + 5):
+            lo = max(0, i - window + 1)
+            ref, _ = _attn_mods.reference(q[:, :1, i:i + 1], k[:, :1, lo:i + 1],
+                                          v[:, :1, lo:i + 1])
+            assert_close(windowed[:, :1, i:i + 1], ref, tolerance(dtype, "attention"), "window")
+        row["ms"]["window"] = triton.testing.do_bench(
+            lambda: fa(q, k, v, causal=True, window_size=(window - 1, 0)), return_mode="median")
+    row["ms"]["full"] = triton.testing.do_bench(lambda: fa(q, k, v, causal=True),
+                                                return_mode="median")
+    return [row]
+
+
+def _ratio_table(header: str, title: str, base: str):
+    def table(rows: list[dict]) -> str:
+        names = sorted({n for r in rows for n in r["ms"]})
+        lines = [header, "", f"### {title}", "", "| case | " + " | ".join(
+            f"{n} ms" for n in names) + f" | ours / {base} |", "|---" * (len(names) + 2) + "|"]
+        for r in rows:
+            ms = r["ms"]
+            mine = ms.get("ours", ms.get("window"))
+            ratio = f"{mine / ms[base]:.2f}" if mine and base in ms else "-"
+            lines.append(f"| {r['case']} | " + " | ".join(
+                f"{ms[n]:.3f}" if n in ms else "-" for n in names) + f" | {ratio} |")
+        return "\n".join(lines) + "\n"
+
+    return table
+
+
 def _table(header: str):
     def table(rows: list[dict]) -> str:
         lines = [header, "",
                  "| B | keys | cache | dtype | ours ms | ours TB/s | SDPA best | SDPA ms | "
                  "ours/SDPA | copy TB/s | ours/copy | host µs |",
                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
+        for r in (r for r in rows if "batch" in r):  # the decode rows
             ms, tb = r["ms"], r["tbps"]
             fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
             ratio = (ms["ours"] / ms["sdpa"]) if "ours" in ms and "sdpa" in ms else None
@@ -170,6 +287,9 @@ def main() -> None:
                         help="comma-separated keys per sequence (multiples of 16)")
     parser.add_argument("--layouts", default="paged,contiguous",
                         help="comma-separated: paged (16-key blocks), contiguous")
+    parser.add_argument("--modes", default="decode,prefill,window",
+                        help="comma-separated tables: decode, prefill (flash_attn_varlen), "
+                        "window (sliding window against full causal)")
     args = parser.parse_args()
     settings = _common.apply_settings(args.set)
     _common.no_plots("bench/serving_attention.py", args.plot)
@@ -178,9 +298,19 @@ def main() -> None:
     batches, keys, layouts = _ints(args.batches), _ints(args.keys), args.layouts.split(",")
     if args.quick:
         batches, keys, layouts = [1, 64], [8192, 131072], ["paged"]
-    header = _common.header("flash_attn_with_kvcache (decode)", info, args.cudagraph)
+    header = _common.header("serving attention", info, args.cudagraph)
+    modes = args.modes.split(",")
     rows, start = [], time.time()
     for dtype in _common.dtypes(args.dtypes):
+        for mode, make, title, base in (
+                ("prefill", _prefill_rows, "packed prefill (TFLOP/s in JSON)", "sdpa"),
+                ("window", _window_rows, "sliding window against full causal", "full")):
+            if mode in modes:
+                extra = make(dtype, args.quick)
+                print(_ratio_table(header, title, base)(extra))
+                rows += extra
+        if "decode" not in modes:
+            continue
         for layout in layouts:
             for b in batches:
                 for n in keys:
@@ -189,8 +319,8 @@ def main() -> None:
                                                     "settings": settings}, _table(header))
                     torch.cuda.empty_cache()
     print(_table(header)(rows))
-    _common.closing(args.json, rows, lambda r: f"B={r['batch']} keys={r['keys']} {r['layout']}",
-                    start)
+    _common.closing(args.json, rows, lambda r: r.get("case") or
+                    f"B={r['batch']} keys={r['keys']} {r['layout']}", start)
 
 
 if __name__ == "__main__":
