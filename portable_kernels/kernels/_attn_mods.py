@@ -119,6 +119,29 @@ class Options(NamedTuple):
                 "ALIBI": self.alibi is not None, "SINKS": self.sinks is not None}
 
 
+#: The largest head dim the attention kernels take (tiles are next_power_of_2(D) wide).
+MAX_HEAD_DIM = 256
+
+
+def check_heads(kernel: str, h: int, h_kv: int, d: int, kv_where: str = "") -> None:
+    """Grouped-query heads (H a multiple of H_kv) and a head dim the kernels take; errors
+    name the counts (``kv_where`` says where H_kv was read, for the message)."""
+    if h_kv == 0 or h % h_kv:
+        raise _host.InputError(
+            f"{kernel}: the number of query heads ({h}) must be a multiple of the number of "
+            f"key/value heads ({h_kv}{kv_where})")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise _host.InputError(f"{kernel}: head dim D={d} is not supported (1 to {MAX_HEAD_DIM})")
+
+
+def check_scale(kernel: str, sm_scale: Any) -> None:
+    """``sm_scale`` is a real number or None (1/sqrt(D))."""
+    if sm_scale is not None and (isinstance(sm_scale, bool)
+                                 or not isinstance(sm_scale, numbers.Real)):
+        raise _host.ArgumentError(
+            f"{kernel}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
+
+
 def plain(causal: bool) -> Options:
     """The options of a call that sets none: SDPA's attention, causal or not."""
     return _PLAIN[causal]

@@ -141,7 +141,7 @@ _CONFIG_SWITCHES = ("TMA", "WARP_SPECIALIZE")
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 TMA_HEAD_DIMS = (64, 128)
 
-_MAX_HEAD_DIM = 256
+_MAX_HEAD_DIM = _attn_mods.MAX_HEAD_DIM
 _LOG2E = 1.4426950408889634
 # Config keys the launcher reads itself; every other config kwarg is a compiler option.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_NUM_WARPS",
@@ -1083,17 +1083,9 @@ def problem(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
     if n_k != n_v:
         raise _host.InputError(
             f"{NAME}: k and v must have the same sequence length, got k {n_k}, v {n_v}")
-    if h_kv == 0 or h % h_kv:
-        raise _host.InputError(
-            f"{NAME}: the number of query heads ({h}) must be a multiple of the number of "
-            f"key/value heads ({h_kv})")
-    if not 1 <= d <= _MAX_HEAD_DIM:
-        raise _host.InputError(f"{NAME}: head dim D={d} is not supported (1 to {_MAX_HEAD_DIM})")
+    _attn_mods.check_heads(NAME, h, h_kv, d)
     _host.check_bool(NAME, "causal", causal)
-    if sm_scale is not None and (isinstance(sm_scale, bool)
-                                 or not isinstance(sm_scale, (int, float))):
-        raise _host.ArgumentError(
-            f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    _attn_mods.check_scale(NAME, sm_scale)
     options = _attn_mods.check_options(
         NAME, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, batch=bq, heads=h, device=device)

@@ -78,23 +78,14 @@ def problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     if h_kv != h_v or total_k != total_v:
         raise _host.InputError(f"{NAME}: k and v must have the same shape, got k "
                                f"{tuple(k.shape)}, v {tuple(v.shape)}")
-    if h_kv == 0 or h % h_kv:
-        raise _host.InputError(
-            f"{NAME}: the number of query heads ({h}) must be a multiple of the number of "
-            f"key/value heads ({h_kv})")
-    if not 1 <= d <= flash_attn._MAX_HEAD_DIM:
-        raise _host.InputError(
-            f"{NAME}: head dim D={d} is not supported (1 to {flash_attn._MAX_HEAD_DIM})")
+    _attn_mods.check_heads(NAME, h, h_kv, d)
     batch = _check_cu("cu_seqlens_q", cu_seqlens_q, device, None)
     _check_cu("cu_seqlens_k", cu_seqlens_k, device, batch)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         _host.check_int(NAME, name, value)
         if value < 0:
             raise _host.InputError(f"{NAME}: {name} must be >= 0, got {value}")
-    if sm_scale is not None and (isinstance(sm_scale, bool)
-                                 or not isinstance(sm_scale, (int, float))):
-        raise _host.ArgumentError(
-            f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    _attn_mods.check_scale(NAME, sm_scale)
     options = _attn_mods.check_options(
         NAME, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, batch=batch, heads=h, device=device)

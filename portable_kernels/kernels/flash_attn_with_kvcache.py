@@ -62,7 +62,6 @@ first call that benchmarked would not be capturable.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -79,7 +78,6 @@ SWITCHES = {"UPCAST": False}
 WAVES = 2
 #: The most splits :func:`pick_splits` chooses (each adds a partial row to merge).
 MAX_SPLITS = 128
-_MAX_HEAD_DIM = 256
 # Config keys the launcher reads itself; the others are compiler options.
 _HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_R", "WRITE_BLOCK_T"})
 
@@ -343,11 +341,7 @@ def check(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=N
     if d != dk:
         raise _host.InputError(f"{NAME}: q and k_cache must have the same head dim D, got q {d}, "
                                f"k_cache {dk}")
-    if not 1 <= d <= _MAX_HEAD_DIM:
-        raise _host.InputError(f"{NAME}: head dim D={d} is not supported (1 to {_MAX_HEAD_DIM})")
-    if h_kv == 0 or h % h_kv:
-        raise _host.InputError(f"{NAME}: the number of query heads ({h}) must be a multiple of "
-                               f"the number of key/value heads ({h_kv}, k_cache's dim 2)")
+    _attn_mods.check_heads(NAME, h, h_kv, d, ", k_cache's dim 2")
     if (k is None) != (v is None):
         raise _host.ArgumentError(f"{NAME}: k and v must be given together (new tokens to "
                                   "append), got only " + ("k" if v is None else "v"))
@@ -393,10 +387,7 @@ def check(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=N
     if const is not None and const + n_new > capacity:
         raise _host.InputError(f"{NAME}: cache_seqlens ({const}) + new tokens ({n_new}) exceed "
                                f"the cache's capacity of {capacity} keys per sequence")
-    if sm_scale is not None and (isinstance(sm_scale, bool)
-                                 or not isinstance(sm_scale, numbers.Real)):
-        raise _host.ArgumentError(
-            f"{NAME}: sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    _attn_mods.check_scale(NAME, sm_scale)
     _host.check_int(NAME, "num_splits", num_splits)
     if num_splits < 0:
         raise _host.InputError(f"{NAME}: num_splits must be >= 0 (0: chosen from the device and "
