@@ -181,13 +181,7 @@ def check_options(kernel: str, *, causal: Any, window_size: Any, softcap: Any, a
 
     alibi = None
     if alibi_slopes is not None:
-        _host.tensor_device(kernel, "alibi_slopes", alibi_slopes)
-        if alibi_slopes.device != device:
-            raise _host.InputError(f"{kernel}: alibi_slopes must be on {device} (the inputs' "
-                                   f"device), got {alibi_slopes.device}")
-        if alibi_slopes.dtype != torch.float32:
-            raise _host.DTypeError(f"{kernel}: alibi_slopes must be float32, got "
-                                   f"{alibi_slopes.dtype}")
+        _host.check_aux(kernel, "alibi_slopes", alibi_slopes, device, torch.float32)
         if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
             raise _host.InputError(f"{kernel}: alibi_slopes must have shape ({heads},) or "
                                    f"({batch}, {heads}) (heads, or batch x heads), got "
@@ -195,11 +189,7 @@ def check_options(kernel: str, *, causal: Any, window_size: Any, softcap: Any, a
         alibi = alibi_slopes.expand(batch, heads)
 
     if sinks is not None:
-        _host.tensor_device(kernel, "sinks", sinks)
-        if sinks.device != device:
-            raise _host.InputError(f"{kernel}: sinks must be on {device} (the inputs' device), "
-                                   f"got {sinks.device}")
-        _host.check_dtype(kernel, "sinks", sinks)
+        _host.check_aux(kernel, "sinks", sinks, device)
         if tuple(sinks.shape) != (heads,):
             raise _host.InputError(f"{kernel}: sinks must have shape ({heads},) (one logit per "
                                    f"query head), got {tuple(sinks.shape)}")

@@ -88,6 +88,20 @@ def check_values() -> bool:
     return os.environ.get("PK_CHECK_VALUES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def check_aux(kernel: str, arg: str, t: Any, device: torch.device,
+              dtype: torch.dtype | None = None) -> None:
+    """An auxiliary tensor (lengths, tables, slopes, sinks): a tensor on the inputs'
+    ``device`` and, when given, of ``dtype`` exactly (float ones: any of FLOAT_DTYPES)."""
+    tensor_device(kernel, arg, t)
+    if t.device != device:
+        raise InputError(f"{kernel}: {arg} must be on {device} (the inputs' device), got "
+                         f"{t.device}")
+    if dtype is None:
+        check_dtype(kernel, arg, t)
+    elif t.dtype != dtype:
+        raise DTypeError(f"{kernel}: {arg} must be {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
+
+
 def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
     """``TypeError`` when ``t``'s dtype is not in ``allowed``."""
     if t.dtype in allowed:

@@ -32,11 +32,7 @@ NAME = "flash_attn_varlen"
 
 
 def _check_cu(name: str, cu: Any, device: torch.device, batch: int | None) -> int:
-    _host.tensor_device(NAME, name, cu)
-    if cu.device != device:
-        raise _host.InputError(f"{NAME}: {name} must be on {device} (q's device), got {cu.device}")
-    if cu.dtype != torch.int32:
-        raise _host.DTypeError(f"{NAME}: {name} must be int32, got {cu.dtype}")
+    _host.check_aux(NAME, name, cu, device, torch.int32)
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise _host.InputError(f"{NAME}: {name} must have shape (batch + 1,), got "
                                f"{tuple(cu.shape)}")

@@ -310,12 +310,7 @@ def _check_seqlens(cache_seqlens, batch: int, device) -> tuple[Any, int | None]:
     if cache_seqlens is None:
         return None, None
     if isinstance(cache_seqlens, torch.Tensor):
-        if cache_seqlens.device != device:
-            raise _host.InputError(f"{NAME}: cache_seqlens must be on {device} (q's device), got "
-                                   f"{cache_seqlens.device}")
-        if cache_seqlens.dtype != torch.int32:
-            raise _host.DTypeError(f"{NAME}: cache_seqlens must be int32, got "
-                                   f"{cache_seqlens.dtype}")
+        _host.check_aux(NAME, "cache_seqlens", cache_seqlens, device, torch.int32)
         if tuple(cache_seqlens.shape) != (batch,):
             raise _host.InputError(f"{NAME}: cache_seqlens must have shape ({batch},) (one length "
                                    f"per sequence), got {tuple(cache_seqlens.shape)}")
@@ -356,12 +351,7 @@ def check(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=N
 
     paged = block_table is not None
     if paged:
-        _host.tensor_device(NAME, "block_table", block_table)
-        if block_table.device != device:
-            raise _host.InputError(f"{NAME}: block_table must be on {device} (q's device), got "
-                                   f"{block_table.device}")
-        if block_table.dtype != torch.int32:
-            raise _host.DTypeError(f"{NAME}: block_table must be int32, got {block_table.dtype}")
+        _host.check_aux(NAME, "block_table", block_table, device, torch.int32)
         if block_table.dim() != 2 or block_table.shape[0] != batch:
             raise _host.InputError(f"{NAME}: block_table must have shape ({batch}, max_blocks), "
                                    f"got {tuple(block_table.shape)}")
