@@ -428,8 +428,16 @@ def flash_attn_varlen_cases(host, device, quick: bool):
                     continue
                 n = max(256, cfg.kwargs.get("BWD_TMA_MIN_SEQ", 0))
                 cu = torch.tensor([0, n // 2, n], dtype=torch.int32)
-                q, k, v, do = fv.views(*(torch.empty(n, 2, d, dtype=dtype) for _ in range(4)))
-                mods = fa.Mods(_ALL_OPTIONS(2), True, cu, cu, 2, n // 2, n // 2, n)
+                packed = [torch.empty(n, 2, d, dtype=dtype) for _ in range(4)]
+                options = _ALL_OPTIONS(2)
+                # Only what the variant takes: its predicate may send some options elsewhere.
+                problem = fv.problem(*packed[:3], cu, cu, n // 2, n // 2, causal=True,
+                                     window_size=(64, 0), softcap=30.0,
+                                     alibi_slopes=options.alibi[0], sinks=options.sinks)
+                if plan.variant.accepts(problem, device) is not None:
+                    continue
+                q, k, v, do = fv.views(*packed)
+                mods = fa.Mods(options, True, cu, cu, 2, n // 2, n // 2, n)
                 name = f"{_label(cfg, ('BLOCK_M', 'BLOCK_N'))} {_short(dtype)} D={d} options"
 
                 def launch(plan=plan, q=q, k=k, v=v, do=do, mods=mods, d=d):

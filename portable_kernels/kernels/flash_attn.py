@@ -366,17 +366,20 @@ def _query_bounds(start_n, N_Q, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _capped_scores(s2, offs_m, offs_n, diag, softcap2, alibi2, SOFTCAP: tl.constexpr,
+def _capped_scores(qk, qk_scale, offs_m, offs_n, diag, softcap2, alibi2, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """``(scores, capped)`` of log2-domain scores: softcap, then ALiBi (``_attn_mods``);
-    ``capped`` is the score after the cap and before ALiBi, which the backward's chain rule
-    through the cap needs."""
+    """``(scores, capped)`` in the log2 domain from raw scores ``qk``: scaled, softcapped,
+    then ALiBi (``_attn_mods``); ``capped`` is the score after the cap and before ALiBi,
+    which the backward's chain rule through the cap needs."""
     if TRANSPOSED:
         kj = offs_n[:, None]
     else:
         kj = offs_n[None, :]
     qi = _per_query(offs_m, TRANSPOSED)
-    capped = _attn_mods.modify_scores(s2, qi, kj, diag, softcap2, alibi2, SOFTCAP, False)
+    if SOFTCAP:
+        capped = _attn_mods.capped(qk, qk_scale, softcap2)
+    else:
+        capped = qk * qk_scale
     return _attn_mods.modify_scores(capped, qi, kj, diag, softcap2, alibi2, False, ALIBI), capped
 
 
@@ -450,11 +453,11 @@ def _attn_fwd_inner(
             k1 = _read_seq_tile(k_src, start_n, BLOCK_DC, offs_n, offs_d1, stride_kn, stride_kd,
                                 N_K, D, MASKED, PAD_D, K_D_MAJOR, UPCAST, TMA)
             s = _mma(q1, k1, s, TRANSPOSED)
-        if not RAW_MAX:
-            s = s * qk_scale
         if SOFTCAP or ALIBI:
-            s, _ = _capped_scores(s, offs_m, offs_n, diag, softcap2, alibi2, SOFTCAP, ALIBI,
-                                  TRANSPOSED)
+            s, _ = _capped_scores(s, qk_scale, offs_m, offs_n, diag, softcap2, alibi2, SOFTCAP,
+                                  ALIBI, TRANSPOSED)
+        elif not RAW_MAX:
+            s = s * qk_scale
         if MASKED:
             # -inf: exp2 gives exactly 0, and the max never comes from a hidden key. Every
             # row sees key 0, so m_new below is finite and exp2(-inf - m_new) is no NaN.
@@ -707,7 +710,7 @@ def _bwd_probs(qk, lse2, qk_scale, offs_m, offs_n, diag, softcap2, alibi2,
     probabilities the forward used, and the factor that carries a score's gradient back
     through the softcap (1 without one)."""
     if SOFTCAP or ALIBI:
-        s2, capped = _capped_scores(qk * qk_scale, offs_m, offs_n, diag, softcap2, alibi2,
+        s2, capped = _capped_scores(qk, qk_scale, offs_m, offs_n, diag, softcap2, alibi2,
                                     SOFTCAP, ALIBI, TRANSPOSED)
         p = tl.math.exp2(s2 - _per_query(lse2, TRANSPOSED))
     else:
