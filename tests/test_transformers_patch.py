@@ -88,6 +88,7 @@ def test_patched_model_matches_transformers(name, gen, device, counted, caplog):
         + (2 * layers if name.startswith("gemma") else 0)  # q/k norms; Gemma's pre/post-MLP norms
     assert counts == {"rms_norm": norms, "mlp": layers, "rotary": 1}
     assert f"runs {norms} RMSNorm and {layers} MLP modules" in caplog.text
+    assert model.config._attn_implementation == pk_hf.NAME
 
     logits, grads = _run(model, ids)
     assert counted["rms_norm"] == norms  # one forward call per module
@@ -98,6 +99,7 @@ def test_patched_model_matches_transformers(name, gen, device, counted, caplog):
 
     pk_hf.undo(model)
     assert all("forward" not in vars(m) for m in model.modules())
+    assert model.config._attn_implementation != pk_hf.NAME
     assert torch.equal(_run(model, ids)[0], ref_logits)
 
 

@@ -394,8 +394,10 @@ def _unpatch_rotary(module_name: str) -> None:
 
 
 def apply(model: torch.nn.Module) -> dict[str, int]:
-    """Run ``model``'s RMSNorm modules, gated MLPs and rotary embeddings on our kernels
-    (``ops.rms_norm``, ``ops.swiglu``/``ops.geglu``, ``ops.rope``), for the Llama, Mistral,
+    """Run ``model``'s RMSNorm modules, gated MLPs, rotary embeddings and attention on our
+    kernels (``ops.rms_norm``, ``ops.swiglu``/``ops.geglu``, ``ops.rope``, and
+    ``attn_implementation`` set to :data:`NAME`, see :func:`attention_forward`; :func:`undo`
+    sets the previous one back), for the Llama, Mistral,
     Qwen2, Qwen3 and Gemma 1-3 classes named in :data:`RMS_NORMS`, :data:`GATED_MLPS` and
     :data:`ROTARY_ATTENTIONS`; other modules are left alone. Returns how many of each were
     patched (``{"rms_norm": n, "mlp": m, "rotary": modules}``) and logs it at INFO.
@@ -426,12 +428,20 @@ def apply(model: torch.nn.Module) -> dict[str, int]:
             rotary.append(type(module).__module__)
     for module_name in rotary:
         _patch_rotary(module_name)
+    # Attention through this module's implementation (what attn_implementation=NAME does).
+    previous = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if hasattr(model, "set_attn_implementation"):
+        register()
+        model.set_attn_implementation(NAME)
     counts = {"rms_norm": sum(type(m).__name__ in RMS_NORMS for m in patched),
               "mlp": sum(type(m).__name__ in GATED_MLPS for m in patched), "rotary": len(rotary)}
-    setattr(model, _PATCH, {"modules": patched, "rotary": rotary, "counts": counts})
+    setattr(model, _PATCH, {"modules": patched, "rotary": rotary, "counts": counts,
+                            "attention": previous})
     logger.info("portable_kernels: %s runs %d RMSNorm and %d MLP modules and the rotary "
-                "embeddings of %s on its kernels", type(model).__name__, counts["rms_norm"],
-                counts["mlp"], ", ".join(rotary) or "no module")
+                "embeddings of %s on its kernels, attention as %r (was %r)",
+                type(model).__name__, counts["rms_norm"], counts["mlp"],
+                ", ".join(rotary) or "no module",
+                getattr(getattr(model, "config", None), "_attn_implementation", None), previous)
     return counts
 
 
@@ -444,5 +454,7 @@ def undo(model: torch.nn.Module) -> None:
         del module.forward  # the instance attribute; the class's forward shows again
     for module_name in done["rotary"]:
         _unpatch_rotary(module_name)
+    if done["attention"] is not None and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(done["attention"])
     delattr(model, _PATCH)
     logger.info("portable_kernels: %s back on transformers' own code", type(model).__name__)
