@@ -86,7 +86,7 @@ def test_patched_model_matches_transformers(name, gen, device, counted, caplog):
     layers = 2
     norms = 2 * layers + 1 + (2 * layers if name in ("qwen3", "gemma3") else 0) \
         + (2 * layers if name.startswith("gemma") else 0)  # q/k norms; Gemma's pre/post-MLP norms
-    assert counts == {"rms_norm": norms, "mlp": layers, "rotary": 1}
+    assert counts == {"rms_norm": norms, "mlp": layers, "rotary": 1, "loss": 1}
     assert f"runs {norms} RMSNorm and {layers} MLP modules" in caplog.text
     assert model.config._attn_implementation == pk_hf.NAME
 
@@ -153,3 +153,46 @@ def test_patched_model_traces_without_graph_breaks(gen, device):
         finally:
             pk_hf.undo(model)
     assert_close(out, ref, TOL, "compiled logits")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_patched_loss_is_fused_and_matches_transformers(name, gen, device, monkeypatch):
+    """With labels and a gradient, the loss comes from fused_linear_cross_entropy over the
+    hidden states (no logits returned): the same loss and parameter gradients as
+    transformers' own head and loss (Gemma 2's final-logit softcap included), with
+    ignored labels and with num_items_in_batch's sum reduction."""
+    model = _model(name)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device)
+    labels = ids.clone()
+    labels[0, :3] = -100
+
+    def step(**kwargs):
+        model.zero_grad()
+        out = model(ids, labels=labels, use_cache=False, **kwargs)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    refs = [step(), step(num_items_in_batch=torch.tensor(17, device=device))]
+    pk_hf.apply(model)
+    fused = []
+    monkeypatch.setattr(ops, "fused_linear_cross_entropy", _counting(
+        ops.fused_linear_cross_entropy, fused))
+    try:
+        outs = [step(), step(num_items_in_batch=torch.tensor(17, device=device))]
+    finally:
+        pk_hf.undo(model)
+    assert len(fused) == 2
+    for (out, grads), (ref, ref_grads) in zip(outs, refs):
+        assert out.logits is None
+        assert_close(out.loss, ref.loss, TOL, f"{name} loss")
+        for param, want in ref_grads.items():
+            assert_close(grads[param], want, GRAD_TOL, f"{name} gradient of {param}")
+    with torch.no_grad():  # no gradient wanted: transformers' own head, logits returned
+        assert model(ids, labels=labels, use_cache=False).logits is not None
+
+
+def _counting(real, calls):
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    return counting

@@ -283,9 +283,46 @@ GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gem
 ROTARY_ATTENTIONS = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
                      "GemmaAttention", "Gemma2Attention", "Gemma3Attention"}
 
+#: Causal-LM heads whose training loss apply() computes with fused_linear_cross_entropy.
+CAUSAL_LMS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+              "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+
 _PATCH = "_pk_patch"            # on an applied model: what apply() did, for undo()
 _ORIGINAL = "_pk_original_rope"  # on a modeling module: its own apply_rotary_pos_emb
 _rotary_users: dict[str, int] = {}  # modeling module -> applied models using its rotary
+
+
+def _causal_lm_forward(original):
+    """A causal-LM head's forward that, when a loss with a gradient is asked for, hands the
+    decoder's hidden states to ``ops.fused_linear_cross_entropy`` instead of materialising
+    the (tokens, vocabulary) logits: the loss of transformers' ``ForCausalLMLoss`` (labels
+    shifted by one, ``ignore_index`` -100, mean over counted tokens, or the sum over
+    ``num_items_in_batch``), Gemma 2/3's final-logit softcap included. It returns no
+    logits then (as Liger's fused loss does); every other call runs ``original``."""
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        if labels is None or not torch.is_grad_enabled():
+            return original(input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep,
+                            **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        loss = ops.fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+            shift_labels.reshape(-1).to(hidden.device), self.lm_head.bias,
+            softcap=getattr(self.config, "final_logit_softcapping", None),
+            reduction="mean" if num_items is None else "sum")
+        if num_items is not None:
+            loss = loss / num_items
+        return CausalLMOutputWithPast(loss=loss, logits=None,
+                                      hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)
+
+    return forward
 
 
 def _activation(act: torch.nn.Module) -> str | None:
@@ -399,8 +436,10 @@ def apply(model: torch.nn.Module) -> dict[str, int]:
     ``attn_implementation`` set to :data:`NAME`, see :func:`attention_forward`; :func:`undo`
     sets the previous one back), for the Llama, Mistral,
     Qwen2, Qwen3 and Gemma 1-3 classes named in :data:`RMS_NORMS`, :data:`GATED_MLPS` and
-    :data:`ROTARY_ATTENTIONS`; other modules are left alone. Returns how many of each were
-    patched (``{"rms_norm": n, "mlp": m, "rotary": modules}``) and logs it at INFO.
+    :data:`ROTARY_ATTENTIONS`, and the training loss of the heads in :data:`CAUSAL_LMS`
+    through ``ops.fused_linear_cross_entropy`` (:func:`_causal_lm_forward`); other modules
+    are left alone. Returns how many of each were patched (``{"rms_norm": n, "mlp": m,
+    "rotary": modules, "loss": heads}``) and logs it at INFO.
 
     Idempotent (a second call changes nothing and returns the first call's counts);
     :func:`undo` reverses it. Calls the kernels cannot take (mixed dtypes, tables of
@@ -426,6 +465,9 @@ def apply(model: torch.nn.Module) -> dict[str, int]:
             patched.append(module)
         elif name in ROTARY_ATTENTIONS and type(module).__module__ not in rotary:
             rotary.append(type(module).__module__)
+        elif name in CAUSAL_LMS and hasattr(module, "lm_head") and hasattr(module, "model"):
+            module.forward = types.MethodType(_causal_lm_forward(module.forward), module)
+            patched.append(module)
     for module_name in rotary:
         _patch_rotary(module_name)
     # Attention through this module's implementation (what attn_implementation=NAME does).
@@ -434,7 +476,8 @@ def apply(model: torch.nn.Module) -> dict[str, int]:
         register()
         model.set_attn_implementation(NAME)
     counts = {"rms_norm": sum(type(m).__name__ in RMS_NORMS for m in patched),
-              "mlp": sum(type(m).__name__ in GATED_MLPS for m in patched), "rotary": len(rotary)}
+              "mlp": sum(type(m).__name__ in GATED_MLPS for m in patched), "rotary": len(rotary),
+              "loss": sum(type(m).__name__ in CAUSAL_LMS for m in patched)}
     setattr(model, _PATCH, {"modules": patched, "rotary": rotary, "counts": counts,
                             "attention": previous})
     logger.info("portable_kernels: %s runs %d RMSNorm and %d MLP modules and the rotary "
