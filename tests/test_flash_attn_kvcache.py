@@ -35,19 +35,9 @@ def _paged(gen, device, dtype=torch.float32, b=3, n_q=1, h=4, h_kv=2, d=64, page
            per_seq=6, lengths=(37, 0, 70), n_new=1):
     """A paged cache: NaN everywhere no sequence holds a key (rows past the lengths, two
     spare blocks), block-table entries past each sequence's blocks naming no block."""
-    blocks = b * per_seq + 2
-    caches = [torch.full((blocks, page, h_kv, d), float("nan")) for _ in range(2)]
-    order = torch.randperm(blocks, generator=gen)
-    table = torch.full((b, per_seq), 1 << 30, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lengths):
-        count = -(-(n + n_new) // page)
-        table[i, :count] = order[used:used + count].to(torch.int32)
-        used += count
-        for cache in caches:
-            flat = cache[table[i, :count].long()].flatten(0, 1)
-            flat[:n] = torch.randn(n, h_kv, d, generator=gen)
-            cache[table[i, :count].long()] = flat.view(count, page, h_kv, d)
+    from portable_kernels.conformance.test_flash_attn_with_kvcache import paged_cache
+
+    *caches, table = paged_cache(lengths[:b], n_new, page, per_seq, h_kv, d, gen)
     q = torch.randn(b, n_q, h, d, generator=gen)
     new = [torch.randn(b, n_new, h_kv, d, generator=gen) for _ in range(2)]
     seqlens = torch.tensor(lengths, dtype=torch.int32)

@@ -22,6 +22,28 @@ from portable_kernels.conformance.test_flash_attn import FP32, LOW, options
 UNUSED_BLOCK = 1 << 30
 
 
+def paged_cache(lengths, n_new: int, page: int, per_seq: int, h_kv: int, d: int,
+                gen: torch.Generator, spare: int = 2) -> tuple:
+    """``(k_cache, v_cache, block_table)`` on the CPU, fp32: sequence ``i`` holds
+    ``lengths[i]`` random keys and values in blocks drawn at random, room for ``n_new``
+    more; NaN everywhere no sequence holds a key (rows past the lengths, ``spare`` blocks
+    no sequence uses), and table entries past each sequence's blocks ``UNUSED_BLOCK``."""
+    blocks = len(lengths) * per_seq + spare
+    caches = [torch.full((blocks, page, h_kv, d), float("nan")) for _ in range(2)]
+    order = torch.randperm(blocks, generator=gen)
+    table = torch.full((len(lengths), per_seq), UNUSED_BLOCK, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lengths):
+        count = -(-(n + n_new) // page)
+        table[i, :count] = order[used:used + count].to(torch.int32)
+        used += count
+        for cache in caches:
+            flat = cache[table[i, :count].long()].flatten(0, 1)
+            flat[:n] = torch.randn(n, h_kv, d, generator=gen)
+            cache[table[i, :count].long()] = flat.view(count, page, h_kv, d)
+    return (*caches, table)
+
+
 def make_inputs(shape, dtype, device, gen) -> Inputs:
     b, n_q, h, h_kv, d = shape["dims"]
     lengths = shape["lengths"]
@@ -31,25 +53,7 @@ def make_inputs(shape, dtype, device, gen) -> Inputs:
     nan = float("nan")
     q = place(torch.randn(b, n_q, h, d, generator=gen).to(dtype), device)
     if page:
-        per_seq = capacity // page
-        spare = 2  # blocks no sequence uses (NaN)
-        blocks = b * per_seq + spare
-        order = torch.randperm(blocks, generator=gen)
-        table = torch.full((b, per_seq), UNUSED_BLOCK, dtype=torch.int32)
-        caches = []
-        for _ in range(2):
-            cache = torch.full((blocks, page, h_kv, d), nan)
-            caches.append(cache)
-        used = 0
-        for i, n in enumerate(lengths):
-            count = -(-(n + n_new) // page)
-            table[i, :count] = order[used:used + count].to(torch.int32)
-            used += count
-            for cache in caches:
-                dense = torch.randn(n, h_kv, d, generator=gen)
-                flat = cache[table[i, :count].long()].flatten(0, 1)
-                flat[:n] = dense
-                cache[table[i, :count].long()] = flat.view(count, page, h_kv, d)
+        *caches, table = paged_cache(lengths, n_new, page, capacity // page, h_kv, d, gen)
         block_table = place(table, device)
     else:
         caches = []
