@@ -1,7 +1,11 @@
 """Eager calls on small inputs, where the host's launch path, not the GPU, sets the pace:
 µs per call of each family, ours with direct launches (the default on NVIDIA GPUs, see
 ``portable_kernels/_direct.py``), ours through Triton's JIT launch (``PK_DIRECT_LAUNCH=0``),
-and torch's own operator on the same inputs.
+torch's own operator on the same inputs, and the peer Triton libraries' (FlagGems,
+Liger-Kernel: ``bench/_peers.py``) where installed and where they have the call. The rows
+are the small calls of a decode loop or a small batch: an add, a softmax and the norms of
+8 rows of 4096, a 16-row matmul against a 4096 x 4096 weight, one decode token over a KV
+cache, short attention, and two backwards.
 
 One process runs both settings, alternating over ``--rounds``. Plans decide on direct
 launches when they are built, so each pass sets ``PK_DIRECT_LAUNCH`` and drops the plans
@@ -11,7 +15,7 @@ per setting; this host's speed differed between processes by up to 2x, more than
 measured.) Each case times ``--iters`` calls after a warm-up, then synchronizes once, so a
 call costs the larger of its host and device time; the median of five such runs
 (``_common.per_call_us``). Torch's operator is timed in every pass too, as
-a gauge of the host's drift. Inputs are fresh ``torch.randn`` draws. The table gives the
+a gauge of the host's drift; so are the peers. Inputs are fresh ``torch.randn`` draws. The table gives the
 median over rounds and the median of each round's JIT / direct ratio (two passes next to
 each other in time).
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
+import contextlib
 import os
 import statistics
 
@@ -32,12 +37,13 @@ import torch
 from portable_kernels import plugins
 
 import _common  # bench/, beside this script
+import _peers
 
 F = torch.nn.functional
 SETTINGS = {"direct": "1", "jit": "0"}
 
 
-def _rand(*shape, dtype=torch.float16, grad=False):
+def _rand(*shape: int, dtype: torch.dtype = torch.float16, grad: bool = False) -> torch.Tensor:
     return torch.randn(*shape, device="cuda").to(dtype).requires_grad_(grad)
 
 
@@ -48,34 +54,70 @@ def _backward(fn, leaves, dy):
     return run
 
 
+def _peer(peer: str, family: str, *args):
+    """A peer's call of ``family`` on ``args`` (bench/_peers.py's wiring), and the context
+    to time it in; None where the peer lacks it or is not installed."""
+    impl = _peers.layer(family).get(peer)
+    if impl is None:
+        return None
+    call_args = impl.prepare(args)
+    return (lambda: impl.fn(*call_args)), impl.context
+
+
 def cases() -> dict:
-    """name -> (ours, torch's), both callables without arguments."""
+    """name -> {implementation: callable without arguments, or (callable, context to time
+    it in)}: ours, torch's and the peers' where they have the call."""
     out = {}
-    for m, n, k in ((16, 4096, 4096), (128, 4096, 4096), (1024, 1024, 1024)):
-        a, b = _rand(m, k, dtype=torch.bfloat16), _rand(k, n, dtype=torch.bfloat16)
-        out[f"matmul {m}x{n}x{k} bf16"] = (lambda a=a, b=b: pk.get_kernel("matmul")(a, b),
-                                           lambda a=a, b=b: torch.matmul(a, b))
-    x, y = _rand(4096, dtype=torch.float32), _rand(4096, dtype=torch.float32)
-    out["vector_add 4096 fp32"] = (lambda: pk.get_kernel("vector_add")(x, y), lambda: x + y)
-    rows = _rand(48, 1000)
-    out["softmax 48x1000 fp16"] = (lambda: pk.get_kernel("softmax")(rows), lambda: torch.softmax(rows, -1))
-    w, bias = _rand(1000), _rand(1000)
-    out["layer_norm 48x1000 fp16"] = (lambda: pk.get_kernel("layer_norm")(rows, w, bias),
-                                      lambda: F.layer_norm(rows, (1000,), w, bias))
-    leaves, dy = [_rand(48, 1000, grad=True), _rand(1000, grad=True), _rand(1000, grad=True)], _rand(48, 1000)
-    out["layer_norm 48x1000 fp16, forward and backward"] = (
-        _backward(pk.get_kernel("layer_norm"), leaves, dy),
-        _backward(lambda t, g, c: F.layer_norm(t, (1000,), g, c), leaves, dy))
+    x, y = _rand(4096), _rand(4096)
+    out["vector_add 4096 fp16"] = {"ours": lambda: pk.get_kernel("vector_add")(x, y),
+                                   "torch": lambda: x + y,
+                                   "flaggems": _peer("flaggems", "vector_add", x, y)}
+    rows = _rand(8, 4096, dtype=torch.bfloat16)
+    out["softmax 8x4096 bf16"] = {"ours": lambda: pk.get_kernel("softmax")(rows),
+                                  "torch": lambda: torch.softmax(rows, -1),
+                                  **{p: _peer(p, "softmax", rows) for p in _peers.PEERS}}
+    w, bias = _rand(4096, dtype=torch.bfloat16), _rand(4096, dtype=torch.bfloat16)
+    out["layer_norm 8x4096 bf16"] = {"ours": lambda: pk.get_kernel("layer_norm")(rows, w, bias),
+                                     "torch": lambda: F.layer_norm(rows, (4096,), w, bias),
+                                     **{p: _peer(p, "layer_norm", rows, w, bias) for p in _peers.PEERS}}
+    out["rms_norm 8x4096 bf16"] = {"ours": lambda: pk.get_kernel("rms_norm")(rows, w),
+                                   "torch": lambda: F.rms_norm(rows, (4096,), w, 1e-6),
+                                   **{p: _peer(p, "rms_norm", rows, w) for p in _peers.PEERS}}
+    leaves = [_rand(8, 4096, dtype=torch.bfloat16, grad=True), _rand(4096, dtype=torch.bfloat16, grad=True),
+              _rand(4096, dtype=torch.bfloat16, grad=True)]
+    dy = _rand(8, 4096, dtype=torch.bfloat16)
+    out["layer_norm 8x4096 bf16, forward and backward"] = {
+        "ours": _backward(pk.get_kernel("layer_norm"), leaves, dy),
+        "torch": _backward(lambda t, g, c: F.layer_norm(t, (4096,), g, c), leaves, dy)}
+    a, b = _rand(16, 4096, dtype=torch.bfloat16), _rand(4096, 4096, dtype=torch.bfloat16)
+    out["matmul 16x4096x4096 bf16"] = {"ours": lambda: pk.get_kernel("matmul")(a, b),
+                                       "torch": lambda: torch.matmul(a, b)}
+    # One decode token of B=8 sequences, 32 query heads over 8 KV heads, 4096 cached keys.
+    q1 = _rand(8, 1, 32, 128, dtype=torch.bfloat16)
+    kc, vc = (_rand(8, 4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((8,), 4096, dtype=torch.int32, device="cuda")
+    kvcache = pk.get_kernel("flash_attn_with_kvcache")
+    qt, kt, vt = q1.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    out["flash_attn decode B8 H32/8 4096 keys bf16"] = {
+        "ours": lambda: kvcache(q1, kc, vc, cache_seqlens=lens),
+        "torch": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
     q, k, v = (_rand(1, 8, 512, 64, grad=True) for _ in range(3))
     attn = pk.get_kernel("flash_attn")
-    out["flash_attn 1x8x512x64 causal fp16"] = (
-        lambda: attn(q.detach(), k.detach(), v.detach(), causal=True),
-        lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True))
+    out["flash_attn 1x8x512x64 causal fp16"] = {
+        "ours": lambda: attn(q.detach(), k.detach(), v.detach(), causal=True),
+        "torch": lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)}
     dq = _rand(1, 8, 512, 64)
-    out["flash_attn 1x8x512x64 causal fp16, forward and backward"] = (
-        _backward(lambda *t: attn(*t, causal=True), [q, k, v], dq),
-        _backward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), [q, k, v], dq))
-    return out
+    out["flash_attn 1x8x512x64 causal fp16, forward and backward"] = {
+        "ours": _backward(lambda *t: attn(*t, causal=True), [q, k, v], dq),
+        "torch": _backward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), [q, k, v], dq)}
+    return {name: {impl: fn for impl, fn in impls.items() if fn is not None}
+            for name, impls in out.items()}
+
+
+def _time(fn, iters: int) -> float:
+    call, context = fn if isinstance(fn, tuple) else (fn, contextlib.nullcontext)
+    with context():  # FlagGems' use_gems() costs milliseconds to enter: once per loop
+        return _common.per_call_us(call, iters)
 
 
 def measure(iters: int, flag: str) -> dict:
@@ -86,8 +128,8 @@ def measure(iters: int, flag: str) -> dict:
     os.environ["PK_DIRECT_LAUNCH"] = flag
     plugins.host().clear_caches()
     try:
-        return {name: {"ours": _common.per_call_us(ours, iters), "torch": _common.per_call_us(theirs, iters)}
-                for name, (ours, theirs) in cases().items()}
+        return {name: {impl: _time(fn, iters) for impl, fn in impls.items()}
+                for name, impls in cases().items()}
     finally:
         if before is None:
             os.environ.pop("PK_DIRECT_LAUNCH", None)
@@ -116,22 +158,28 @@ def main() -> None:
         row = {"case": name}
         for setting in SETTINGS:
             row[setting] = statistics.median(run[name]["ours"] for run in runs[setting])
-        row["torch"] = statistics.median(run[name]["torch"] for s in SETTINGS for run in runs[s])
+        for impl in ("torch", *_peers.PEERS):
+            times = [run[name][impl] for s in SETTINGS for run in runs[s] if impl in run[name]]
+            row[impl] = statistics.median(times) if times else None
         row["jit_over_direct"] = statistics.median(
             j[name]["ours"] / d[name]["ours"] for d, j in zip(runs["direct"], runs["jit"]))
         rows.append(row)
     header = (_common.header("eager host time per call", info, False).replace(" · median of do_bench", "")
               + f" · one process, median of {args.rounds} rounds")
     lines = [header, "", "µs per call (a call costs the larger of its host and device time)", "",
-             "| case | ours, direct launches | ours, JIT launches | torch | JIT / direct (per round) "
-             "| ours direct / torch |",
-             "|:--|--:|--:|--:|--:|--:|"]
+             "| case | ours | ours, JIT launches | torch | FlagGems | Liger | ours / torch |",
+             "|:--|--:|--:|--:|--:|--:|--:|"]
+
+    def fmt(value):
+        return "-" if value is None else f"{value:.1f}"
+
     for r in rows:
-        lines.append(f"| {r['case']} | {r['direct']:.1f} | {r['jit']:.1f} | {r['torch']:.1f} | "
-                     f"{r['jit_over_direct']:.2f} | {r['direct'] / r['torch']:.2f} |")
+        lines.append(f"| {r['case']} | {r['direct']:.1f} | {r['jit']:.1f} | {fmt(r['torch'])} | "
+                     f"{fmt(r['flaggems'])} | {fmt(r['liger'])} | {r['direct'] / r['torch']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    _common.write(args.json, rows, {**_common.meta(info, False), "rounds": args.rounds,
+    _common.write(args.json, rows, {**_common.meta(info, False), "peers": _peers.versions(),
+                                    "rounds": args.rounds,
                                     "iters": args.iters, "settings": settings, "runs": runs},
                   lambda _: table)
     if args.json:

@@ -7,7 +7,9 @@ transformer-sized rows (tokens x hidden). Each is memory-bound, so a row reports
 the bytes a kernel must move (inputs read once, outputs written once) over its time, ours
 and torch's (``torch.nn.functional``'s layer, ``torch.softmax``, ``x + y``; the add then
 ``rms_norm``; ``silu(g) * u``, ``gelu(g, tanh) * u`` and rotate-half rotary embeddings as eager
-torch runs them, a kernel per operation), and ours over torch's.
+torch runs them, a kernel per operation), the peer Triton libraries' where installed
+(Liger-Kernel, FlagGems: ``bench/_peers.py`` says how each is called), and ours over
+torch's and over the faster peer's.
 With ``--backward`` the backward is timed too (every family here is differentiable; its bytes:
 the forward's inputs and the incoming gradient read, the gradients written).
 
@@ -16,6 +18,7 @@ tolerance table's bound for its kind, before it is timed. Dropout is left out: i
 has no torch counterpart to check against.
 
     python bench/layers.py [--quick] [--dtypes fp16,bf16] [--cudagraph] [--backward]
+                           [--families F,...] [--shapes TOKENSxHIDDEN,...]
                            [--json PATH] [--plot DIR] [--set MODULE.NAME=VALUE ...]
 
 Needs an NVIDIA GPU; on a CPU-only machine it exits saying what to run instead.
@@ -34,11 +37,12 @@ from portable_kernels import ops, plugins
 from portable_kernels.testing import assert_close, tolerance
 
 import _common  # bench/, beside this script
+import _peers
 
 F = torch.nn.functional
 
 #: (tokens, hidden): a decode batch, and prefill-sized blocks of two model widths.
-SHAPES = [(16, 4096), (4096, 4096), (8192, 8192)]
+SHAPES = [(16, 4096), (4096, 4096), (16384, 4096), (32768, 8192)]
 QUICK = [(4096, 4096)]
 #: family -> the tolerance kind of its outputs (testing.TOLERANCES).
 KINDS = {"vector_add": "elementwise", "softmax": "reduction", "layer_norm": "reduction",
@@ -145,16 +149,24 @@ def backward_call(family: str, fn: Callable, args: tuple) -> Callable[[], Any]:
     return lambda: torch.autograd.grad(outs, leaves, dys, retain_graph=True)
 
 
-def check(family: str, fn: Callable, args: tuple) -> torch.Tensor:
-    """``fn(*args)`` checked against the family's float64 reference; returns the output."""
-    out = fn(*args)
+def check(family: str, impl: _peers.Impl, args: tuple, call_args: tuple) -> Any:
+    """``impl`` on ``call_args`` (``impl.prepare(args)``) checked against the family's
+    float64 reference on ``args``; returns its output. The reference first: a peer may
+    update its arguments in place."""
     ref = plugins.host().registry.spec(family).reference(*(a.double() for a in args))
+    out = impl.fn(*call_args)
     tol = tolerance(args[0].dtype, KINDS[family])
-    outs, refs = _tuple(out), _tuple(ref)
+    outs, refs = _tuple(impl.finish(_tuple(out))), _tuple(ref)
     assert len(outs) == len(refs), f"{family}: {len(outs)} outputs, the reference {len(refs)}"
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert_close(o, r, tol, f"{family} output {i}")
     return out
+
+
+def implementations(family: str) -> dict[str, _peers.Impl]:
+    """Ours, torch's and the peers' (those installed) for ``family``."""
+    return {"ours": _peers.Impl(ours(family)), "torch": _peers.Impl(torch_op(family)),
+            **_peers.layer(family)}
 
 
 def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: Any) -> dict:
@@ -162,39 +174,55 @@ def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: 
                  "dtype": str(dtype).removeprefix("torch."), "ms": {}, "gbps": {}, "error": {}}
     args = inputs(family, tokens, hidden, dtype, "cuda")
     passes = ["fwd"] + (["bwd"] if args_.backward else [])
-    for name, fn in (("ours", ours(family)), ("torch", torch_op(family))):
-        out = _common.first_call(row, name, lambda fn=fn: check(family, fn, args))
-        if out is None:
-            continue
-        for p in passes:
-            key = f"{name} {p}"
-            if p == "fwd":
-                call = lambda fn=fn: fn(*args)  # noqa: E731
-            else:
-                call = backward_call(family, fn, args)
-            _common.timed(row, key, call, 0.0, args_.cudagraph)
-            row["gbps"][key] = moved_bytes(args, out, p == "bwd") / (row["ms"][key] * 1e-3) / 1e9
+    for name, impl in implementations(family).items():
+        call_args = impl.prepare(args)
+        with impl.context():
+            out = _common.first_call(row, name, lambda: check(family, impl, args, call_args))
+            if out is None:
+                continue
+            finished = impl.finish(_tuple(out))
+            for p in passes:
+                key = f"{name} {p}"
+                if p == "bwd" and not impl.backward:
+                    row["error"][key] = "no backward"
+                    continue
+                if p == "fwd":
+                    call = lambda: impl.fn(*call_args)  # noqa: E731
+                else:
+                    call = backward_call(family, impl.fn, call_args)
+                _common.timed(row, key, call, 0.0, args_.cudagraph)
+                moved = moved_bytes(args, finished, p == "bwd")
+                row["gbps"][key] = moved / (row["ms"][key] * 1e-3) / 1e9
     return row
 
 
-def ratio(row: dict, p: str) -> float | None:
-    mine, theirs = row["gbps"].get(f"ours {p}"), row["gbps"].get(f"torch {p}")
-    return None if mine is None or theirs is None else mine / theirs
+PROVIDERS = ("ours", "torch", *_peers.PEERS)
+
+
+def ratio(row: dict, p: str, against: tuple[str, ...] = ("torch",)) -> float | None:
+    """Our GB/s over the fastest of ``against`` measured in ``row`` for pass ``p``."""
+    theirs = [row["gbps"][f"{o} {p}"] for o in against if f"{o} {p}" in row["gbps"]]
+    mine = row["gbps"].get(f"ours {p}")
+    return None if mine is None or not theirs else mine / max(theirs)
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "GB/s (bytes a call must move over its time); × torch: ours over torch's", "",
-             "| family | tokens | hidden | dtype | ours fwd | torch fwd | × torch | ours bwd | torch bwd | × torch |",
-             "|:--|--:|--:|:--|--:|--:|--:|--:|--:|--:|"]
+    lines = [header, "", "GB/s (bytes a call must move over its time; bwd: the backward alone); "
+             "× torch, × peers: ours over torch's, over the faster peer's", "",
+             "| family | tokens×hidden | dtype | pass | ours | torch | Liger | FlagGems | × torch | × peers |",
+             "|:--|--:|:--|:--|--:|--:|--:|--:|--:|--:|"]
 
     def fmt(value: float | None, spec: str = ".0f") -> str:
         return "-" if value is None else format(value, spec)
 
     for r in rows:
         g = r["gbps"]
-        lines.append(f"| {r['family']} | {r['tokens']} | {r['hidden']} | {r['dtype']} | "
-                     f"{fmt(g.get('ours fwd'))} | {fmt(g.get('torch fwd'))} | {fmt(ratio(r, 'fwd'), '.2f')} | "
-                     f"{fmt(g.get('ours bwd'))} | {fmt(g.get('torch bwd'))} | {fmt(ratio(r, 'bwd'), '.2f')} |")
+        for p in ("fwd", "bwd"):
+            if not any(f"{name} {p}" in g for name in PROVIDERS):
+                continue
+            cells = " | ".join(fmt(g.get(f"{name} {p}")) for name in PROVIDERS)
+            lines.append(f"| {r['family']} | {r['tokens']}×{r['hidden']} | {r['dtype']} | {p} | {cells} | "
+                         f"{fmt(ratio(r, p), '.2f')} | {fmt(ratio(r, p, _peers.PEERS), '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,7 +236,7 @@ def plot_benchmarks(rows: list[dict]) -> list[triton.testing.Benchmark]:
             plots.append(triton.testing.Benchmark(
                 x_names=["case"], x_vals=[f"{r['family']} {r['tokens']}x{r['hidden']}"
                                           for r in rows if r["dtype"] == dtype],
-                line_arg="provider", line_vals=["ours", "torch"], line_names=["ours", "torch"],
+                line_arg="provider", line_vals=list(PROVIDERS), line_names=list(PROVIDERS),
                 ylabel="GB/s", plot_name=f"layers-{dtype}-{p}", args={"dtype": dtype, "p": p}))
     return plots
 
@@ -228,7 +256,17 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="time the backward too")
     parser.add_argument("--families", default=",".join(FAMILIES),
                         help=f"comma-separated, among {', '.join(FAMILIES)}")
+    parser.add_argument("--shapes", default=None, metavar="TxH,...",
+                        help="comma-separated tokens x hidden, e.g. 16384x4096 (default: "
+                        + ", ".join(f"{t}x{h}" for t, h in SHAPES) + ")")
     args = parser.parse_args()
+    try:
+        shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+                  if args.shapes else (QUICK if args.quick else SHAPES))
+        if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shapes: expected TOKENSxHIDDEN,... (e.g. 16384x4096), got {args.shapes!r}")
     families = [f for f in args.families.split(",") if f]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown or not families:
@@ -239,12 +277,15 @@ def main() -> None:
                               "tests/test_softmax.py tests/test_layer_norm.py ...")
     dtypes = _common.dtypes(args.dtypes)
     header = _common.header("elementwise and norm layers", info, args.cudagraph)
-    meta = {**_common.meta(info, args.cudagraph), "settings": settings}
+    meta = {**_common.meta(info, args.cudagraph), "settings": settings,
+            "peers": _peers.versions(), "peers_missing": _peers.missing()}
     print(header)
+    for peer, why in _peers.missing().items():
+        print(f"{peer} left out: {why}")
     rows, start = [], time.time()
     for dtype in dtypes:
         for family in families:
-            for tokens, hidden in (QUICK if args.quick else SHAPES):
+            for tokens, hidden in shapes:
                 row = bench_row(family, tokens, hidden, dtype, args)
                 rows.append(row)
                 cells = "  ".join(f"{k} {v:7.0f} GB/s" for k, v in row["gbps"].items())

@@ -29,10 +29,10 @@ def _load(name: str):
 
 
 #: The maintained benchmarks: one per kind of work (elementwise and norm layers, the matmul
-#: families, attention and its memory, serving attention, a model end to end) and the host's
-#: overheads; each shares _common's command line.
+#: families, attention and its memory, serving attention, the losses, a model end to end)
+#: and the host's overheads; each shares _common's command line.
 KEPT = ["layers", "matmul", "grouped_matmul", "flash_attn", "flash_attn_memory",
-        "serving_attention", "transformers_model", "host_per_call", "host_backward",
+        "serving_attention", "losses", "transformers_model", "host_per_call", "host_backward",
         "dispatch_overhead"]
 
 
@@ -42,7 +42,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_holds_the_maintained_scripts_only():
-    assert sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "_common") == sorted(KEPT)
+    assert sorted(p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")) == sorted(KEPT)
 
 
 @pytest.mark.parametrize("script", KEPT)
@@ -109,18 +109,20 @@ def test_layers_bench_checks_ours_and_torchs_against_the_references(device):
     bench = _load("layers")
     for family in bench.FAMILIES:
         args = bench.inputs(family, 4, 64, torch.float32, device)
-        out = bench.check(family, bench.ours(family), args)
-        bench.check(family, bench.torch_op(family), args)
+        impls = bench.implementations(family)
+        out = bench.check(family, impls["ours"], args, args)
+        bench.check(family, impls["torch"], args, args)
         grads = bench.backward_call(family, bench.ours(family), args)()
         assert [g.shape for g in grads] == [a.shape for a in args][:len(grads)] and grads
         assert bench.moved_bytes(args, out, True) > bench.moved_bytes(args, out, False) > 0
-    wrong = lambda x: torch.softmax(x, dim=0)  # noqa: E731
+    wrong = bench._peers.Impl(lambda x: torch.softmax(x, dim=0))
+    args = bench.inputs("softmax", 4, 64, torch.float32, device)
     with pytest.raises(AssertionError, match="softmax"):
-        bench.check("softmax", wrong, bench.inputs("softmax", 4, 64, torch.float32, device))
+        bench.check("softmax", wrong, args, args)
     row = {"family": "softmax", "tokens": 4, "hidden": 64, "dtype": "float16",
-           "gbps": {"ours fwd": 900.0, "torch fwd": 1000.0}}
+           "gbps": {"ours fwd": 900.0, "torch fwd": 1000.0, "liger fwd": 800.0}}
     table = bench.markdown([row], "header")
-    assert "| softmax | 4 | 64 | float16 | 900 | 1000 | 0.90 | - | - | - |" in table
+    assert "| softmax | 4×64 | float16 | fwd | 900 | 1000 | 800 | - | 0.90 | 1.12 |" in table
     (plot,) = bench.plot_benchmarks([row])
     assert plot.x_vals == ["softmax 4x64"] and plot.plot_name == "layers-float16-fwd"
     assert bench.measured([row])("softmax 4x64", "torch", "float16", "fwd") == 1000.0
@@ -307,7 +309,7 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
         def ours():
             handle(x, x)
             seen.append((os.environ.get("PK_DIRECT_LAUNCH"), handle.plan(x, x)))
-        return {"vector_add": (ours, lambda: x + x)}
+        return {"vector_add": {"ours": ours, "torch": lambda: x + x}}
 
     monkeypatch.setattr(bench, "cases", cases)
     monkeypatch.setattr(bench._common, "per_call_us", lambda fn, iters: (fn(), 1.0)[1])
