@@ -113,11 +113,16 @@ def check_dtype(kernel: str, arg: str, t: torch.Tensor, allowed: Sequence[torch.
 def _agreed(kernel: str, tensors: dict, value, describe, error: type, problem: str):
     """``value(t)``, the same for every tensor of ``tensors``; else ``error`` with
     ``problem`` followed by each tensor's ``describe(name, t)``."""
-    values = [value(t) for t in tensors.values()]
-    if any(v != values[0] for v in values[1:]):
-        what = ", ".join(describe(n, t) for n, t in tensors.items())
-        raise error(f"{kernel}: {problem} {what}")
-    return values[0]
+    # Every call runs this: a plain loop, the message built only on failure.
+    first = None
+    for i, t in enumerate(tensors.values()):
+        v = value(t)
+        if i == 0:
+            first = v
+        elif v != first:
+            what = ", ".join(describe(n, t) for n, t in tensors.items())
+            raise error(f"{kernel}: {problem} {what}")
+    return first
 
 
 def check_same_dtype(kernel: str, **tensors: torch.Tensor) -> torch.dtype:

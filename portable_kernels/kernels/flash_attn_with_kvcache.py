@@ -383,13 +383,29 @@ def check(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=N
         raise _host.InputError(f"{NAME}: num_splits must be >= 0 (0: chosen from the device and "
                                f"the shapes), got {num_splits}")
     _host.check_bool(NAME, "return_lse", return_lse)
-    options = _attn_mods.check_options(
-        NAME, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, batch=batch, heads=h, device=device)
+    checked = derive(q, k_cache, k, cache_seqlens, block_table, causal, sm_scale, window_size,
+                     softcap, alibi_slopes, sinks)  # it checks the options
     if _host.check_values():
         _check_values(seqlens, const, n_new, capacity, block_table, page, rows)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    return Checked(paged, capacity, n_new, const or 0, seqlens, options, scale)
+    return checked
+
+
+def derive(q, k_cache, k, cache_seqlens, block_table, causal, sm_scale, window_size, softcap,
+           alibi_slopes, sinks) -> Checked:
+    """What the launcher needs of a call :func:`check` (through :func:`problem`) has
+    validated, without validating it again: the eager path checks each call once."""
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens, const = cache_seqlens, 0
+    else:
+        seqlens, const = None, capacity if cache_seqlens is None else int(cache_seqlens)
+    options = _attn_mods.check_options(
+        NAME, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, batch=q.shape[0], heads=q.shape[2],
+        device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[3]) if sm_scale is None else float(sm_scale)
+    return Checked(paged, capacity, 0 if k is None else k.shape[1], const, seqlens, options, scale)
 
 
 def _check_values(seqlens, const, n_new, capacity, block_table, page, num_blocks) -> None:
@@ -444,6 +460,16 @@ def _tiles(plan, n_rows: int) -> tuple[int, int, dict, int]:
     return max(16, block_m), cfg.kwargs.get("BLOCK_N", 64), extra, cfg.num_warps
 
 
+def _grid(plan, n_rows: int, heads: int, capacity: int, d: int, num_splits: int) -> tuple:
+    """The tiles, query tiles, split count and BLOCK_D of a call's shapes (memoised per
+    plan: a decode loop repeats one shape)."""
+    block_m, block_n, extra, warps = _tiles(plan, n_rows)
+    m_tiles = _host.cdiv(n_rows, block_m)
+    splits = num_splits or pick_splits(heads * m_tiles, _host.cdiv(capacity, block_n),
+                                       plan.device.num_sms)
+    return block_m, block_n, extra, warps, m_tiles, splits, max(16, _host.next_power_of_2(d))
+
+
 def launch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
            cache_seqlens: torch.Tensor | int | None = None,
@@ -462,8 +488,9 @@ def launch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Returns a new (B, Nq, H, D) tensor of q's dtype, and with ``return_lse`` also the fp32
     (B, H, Nq) natural log-sum-exp.
     """
-    c = check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, sm_scale,
-              window_size, softcap, alibi_slopes, sinks, num_splits, return_lse)
+    # problem() checked the call (the handle calls it to select the plan).
+    c = derive(q, k_cache, k, cache_seqlens, block_table, causal, sm_scale, window_size,
+               softcap, alibi_slopes, sinks)
     out, lse = run(plan, q, k_cache, v_cache, k, v, block_table, c, num_splits)
     return (out, lse) if return_lse else out
 
@@ -483,11 +510,9 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
     lse = torch.empty((batch, h, n_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    block_m, block_n, extra, warps = _tiles(plan, n_q * group)
-    m_tiles = _host.cdiv(n_q * group, block_m)
-    splits = num_splits or pick_splits(batch * h_kv * m_tiles, _host.cdiv(c.capacity, block_n),
-                                       plan.device.num_sms)
-    block_d = max(16, _host.next_power_of_2(d))
+    block_m, block_n, extra, warps, m_tiles, splits, block_d = plan.cached(
+        (NAME, "grid", n_q * group, batch * h_kv, c.capacity, d, num_splits),
+        lambda: _grid(plan, n_q * group, batch * h_kv, c.capacity, d, num_splits))
     o = c.options
     if splits > 1:
         part_o = torch.empty((splits, batch, n_q, h, block_d), device=q.device,
