@@ -21,10 +21,10 @@ Two more tables (``--modes``; all three by default), for the other serving targe
 
 - ``prefill``: a packed batch of 16 sequences of random lengths 100-4096 (seeded), causal,
   bf16, H = 32 over H_kv = 8, D = 128: ``flash_attn_varlen`` against our fixed-length
-  ``flash_attn`` on an equal-token batch (one sequence of the same total, so equal FLOPs
-  of causal attention would be an overestimate: both are counted as the varlen batch's
-  causal FLOPs, ``2·2·sum(n²/2)·H·D``), and against SDPA on the padded (16, H, max, D)
-  batch with a boolean padding-and-causal mask (its best backend that takes a mask);
+  ``flash_attn`` on an equal-token batch (16 sequences of the mean length, as many
+  tokens), each counted with its own causal FLOPs (``2·2·sum(n²/2)·H·D``), and against
+  SDPA on the padded (16, H, max, D) batch with a boolean padding-and-causal mask (its
+  best backend that takes a mask; counted with the varlen batch's FLOPs, the useful work);
 - ``window``: N = 16384, causal, a 1024-key window (``window_size=(1023, 0)``) against the
   same call without the window: the time ratio (the target is at most 0.35).
 
@@ -171,7 +171,10 @@ def _prefill_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
     def ours():
         return varlen(q, k, v, cu, cu, longest, longest, causal=True)
 
-    q1, k1, v1 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    mean = round(total / len(lengths))
+    q1 = torch.randn(len(lengths), H, mean, D, device="cuda", dtype=dtype)
+    k1, v1 = (torch.randn(len(lengths), H_KV, mean, D, device="cuda", dtype=dtype) for _ in range(2))
+    fixed_flops = len(lengths) * 2 * 2 * mean * mean / 2 * H * D
 
     def fixed():
         return dense(q1, k1, v1, causal=True)
@@ -209,7 +212,8 @@ def _prefill_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
         timed["ours"] = ours
     for name, fn in timed.items():
         row["ms"][name] = triton.testing.do_bench(fn, return_mode="median")
-        row["tflops"][name] = flops / (row["ms"][name] * 1e-3) / 1e12
+        work = fixed_flops if fn is fixed else flops
+        row["tflops"][name] = work / (row["ms"][name] * 1e-3) / 1e12
     if sdpa:
         best = min(sdpa, key=lambda n: row["ms"][f"sdpa_{n}"])
         row["sdpa_best"], row["ms"]["sdpa"] = best, row["ms"][f"sdpa_{best}"]
@@ -250,8 +254,10 @@ def _ratio_table(header: str, title: str, base: str):
             ms = r["ms"]
             mine = ms.get("ours", ms.get("window"))
             ratio = f"{mine / ms[base]:.2f}" if mine and base in ms else "-"
+            tf = r.get("tflops", {})
             lines.append(f"| {r['case']} | " + " | ".join(
-                f"{ms[n]:.3f}" if n in ms else "-" for n in names) + f" | {ratio} |")
+                (f"{ms[n]:.3f}" + (f" ({tf[n]:.0f} TFLOP/s)" if n in tf else "")) if n in ms else "-"
+                for n in names) + f" | {ratio} |")
         return "\n".join(lines) + "\n"
 
     return table
@@ -301,14 +307,22 @@ def main() -> None:
     header = _common.header("serving attention", info, args.cudagraph)
     modes = args.modes.split(",")
     rows, start = [], time.time()
+    sections = []  # the prefill and window tables, for the Markdown file
+
+    def markdown(rows_: list[dict]) -> str:
+        return "\n".join([*sections, _table(header)(rows_)])
+
     for dtype in _common.dtypes(args.dtypes):
         for mode, make, title, base in (
-                ("prefill", _prefill_rows, "packed prefill (TFLOP/s in JSON)", "sdpa"),
+                ("prefill", _prefill_rows, "packed prefill", "sdpa"),
                 ("window", _window_rows, "sliding window against full causal", "full")):
             if mode in modes:
                 extra = make(dtype, args.quick)
-                print(_ratio_table(header, title, base)(extra))
+                sections.append(_ratio_table(header, title, base)(extra))
+                print(sections[-1])
                 rows += extra
+                _common.write(args.json, rows, {**_common.meta(info, args.cudagraph),
+                                                "settings": settings}, markdown)
         if "decode" not in modes:
             continue
         for layout in layouts:
@@ -316,7 +330,7 @@ def main() -> None:
                 for n in keys:
                     rows.append(_row(b, n, layout, dtype, args.cudagraph))
                     _common.write(args.json, rows, {**_common.meta(info, args.cudagraph),
-                                                    "settings": settings}, _table(header))
+                                                    "settings": settings}, markdown)
                     torch.cuda.empty_cache()
     print(_table(header)(rows))
     _common.closing(args.json, rows, lambda r: r.get("case") or

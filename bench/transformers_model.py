@@ -26,6 +26,15 @@ kernel autotune (the warmup absorbs them; results persist in ``PK_CACHE_DIR``).
         [--sdpa-backends default,flash,cudnn] [--batch 2] [--seq 2048] [--layers 8]
         [--hidden 2048] [--heads 16] [--kv-heads 8] [--iters 10] [--warmup 3]
 
+With ``--patched`` it times a training step of the whole model instead (default shape
+then: 8 layers, hidden 2048, vocabulary 128256, batch 1 x 4096, bf16): unpatched on SDPA,
+after ``portable_kernels.integrations.transformers.apply(model)`` (norms, MLPs, rotary
+embeddings, attention and the fused linear cross-entropy loss on our kernels), and after
+Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)`` where Liger is installed (its
+attention stays SDPA's; it patches transformers' modules for the rest of the process, so
+it runs last). Each one's loss on the same batch must be within 1% of the unpatched
+model's; then tokens/s of forward+backward and the peak memory.
+
 Prints a table; with ``--json PATH`` writes it and the Markdown table beside it. Exits 1
 when a check fails, 2 when there is no CUDA GPU or no transformers.
 """
@@ -64,7 +73,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--patched", action="store_true",
+                   help="time a training step: unpatched, apply(model), Liger's patch")
     args = p.parse_args(argv)
+    if args.patched:
+        defaults = p.parse_args([])
+        for name, value in (("vocab", 128256), ("batch", 1), ("seq", 4096), ("dtypes", "bf16")):
+            if getattr(args, name) == getattr(defaults, name):
+                setattr(args, name, value)
     if args.quick:
         args.layers, args.seq, args.dtypes, args.iters = 2, 512, "bf16", 3
     return args
@@ -211,6 +227,74 @@ def run_dtype(name: str, dtype: torch.dtype, args, config, pk_hf) -> tuple[list[
     return rows, check
 
 
+def run_patched(dtype: torch.dtype, args, config, pk_hf) -> list[dict]:
+    """A training step (forward + backward of the LM loss) unpatched, patched by ours and
+    patched by Liger (module docstring): rows of loss, ms, tokens/s and peak GiB."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(config).to("cuda", dtype).train()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach()
+
+    def liger(model):
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        pk_hf.undo(model)
+        apply_liger_kernel_to_llama(model=model)
+
+    rows, base = [], None
+    for label, patch in (("unpatched (SDPA)", None), ("portable_kernels apply()", pk_hf.apply),
+                         ("Liger-Kernel", liger)):
+        row = {"dtype": str(dtype).removeprefix("torch."), "impl": label}
+        try:
+            if patch is not None:
+                patch(model)
+            loss = float(step())
+            torch.cuda.synchronize()
+            base = loss if base is None else base
+            row["loss"] = loss
+            if abs(loss - base) > 1e-2 * abs(base):
+                row["error"] = f"loss {loss:.4f} differs from the unpatched {base:.4f} by over 1%"
+            else:
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base_mem = torch.cuda.memory_allocated()
+                ms = cuda_ms(step, args.warmup, args.iters)
+                row.update(ms=ms, tok_s=ids.numel() / (ms * 1e-3),
+                           peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / 2**30)
+        except Exception as exc:  # e.g. a peer that does not support this transformers
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+        print(f"  {label}: " + (row.get("error") or f"{row['ms']:.1f} ms, {row['tok_s']:,.0f} tok/s, "
+                                f"peak {row['peak_gib']:.2f} GiB beyond the weights"), flush=True)
+    return rows
+
+
+def patched_markdown(rows: list[dict], meta: dict) -> str:
+    base = next((r for r in rows if "ms" in r and r["impl"].startswith("unpatched")), None)
+    lines = [f"# Llama-style model, one training step, {meta['model']}", "",
+             f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
+             f"transformers {meta['transformers']}; batch {meta['batch']} x {meta['seq']} tokens",
+             "", "| dtype | model | loss | fwd+bwd ms | tok/s | vs unpatched | peak GiB beyond weights |",
+             "|:--|:--|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['dtype']} | {r['impl']} | {r.get('loss', '-')} | {r.get('error')} | | | |")
+            continue
+        vs = f"{base['ms'] / r['ms']:.2f}" if base else "-"
+        lines.append(f"| {r['dtype']} | {r['impl']} | {r['loss']:.4f} | {r['ms']:.1f} | "
+                     f"{r['tok_s']:,.0f} | {vs} | {r['peak_gib']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict], checks: list[dict], meta: dict) -> str:
     lines = [f"# Llama-style model, {meta['model']}", "",
              f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
@@ -282,6 +366,12 @@ def main(argv=None) -> int:
 
     rows: list[dict] = []
     checks: list[dict] = []
+    if args.patched:
+        for name in args.dtypes.split(","):
+            rows += run_patched(DTYPES[name], args, config, pk_hf)
+            _common.write(args.json, rows, meta, lambda rows_: patched_markdown(rows_, meta))
+        print(patched_markdown(rows, meta))
+        return 0 if all("error" not in r for r in rows if not r["impl"].startswith("Liger")) else 1
     for name in args.dtypes.split(","):
         if name not in DTYPES:
             print(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}", file=sys.stderr)
