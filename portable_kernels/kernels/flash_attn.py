@@ -502,13 +502,13 @@ def _attn_fwd_inner(
 @triton.jit(do_not_specialize=["N_BUCKET"])
 def _flash_attn_fwd_kernel(
     Q, K, V, Out, Lse,                                        # pointers; Lse: fp32 (B, H, Nq)
+    CuQ, CuK, Alibi, Sinks,                                   # the options' (_mod_args)
     stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     H, GROUP, N_Q, N_K, D,                                    # sizes; GROUP = H // H_kv
     qk_scale,                                                 # sm_scale * log2(e)
-    CuQ, CuK, Alibi, Sinks,                                   # options (_mod_args)
     stride_ab, stride_ah, lse_stride_h, left, right, softcap2,
     N_BUCKET,                                                 # autotuning key only (_bucket)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -671,10 +671,11 @@ def _lse_row(bh, h, N_Q, q_start, lse_stride_h, VARLEN: tl.constexpr):
 @triton.jit
 def _flash_attn_bwd_preprocess_kernel(
     Out, DO, Delta,                                           # Delta: fp32, the LSE's layout
+    CuQ,                                                      # a packed batch (VARLEN)
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, N_Q, D,
-    CuQ, lse_stride_h,                                        # a packed batch (VARLEN)
+    lse_stride_h,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
     VARLEN: tl.constexpr = False,
 ):
@@ -722,6 +723,7 @@ def _bwd_probs(qk, lse2, qk_scale, offs_m, offs_n, diag, softcap2, alibi2,
 @triton.jit
 def _flash_attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,                          # pointers
+    CuQ, CuK, Alibi, Sinks,                                   # the options' (_mod_args)
     stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -730,7 +732,6 @@ def _flash_attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, H_KV, GROUP, N_Q, N_K, D,                              # sizes
     sm_scale, qk_scale,
-    CuQ, CuK, Alibi, Sinks,                                   # options (_mod_args)
     stride_ab, stride_ah, lse_stride_h, left, right, softcap2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
@@ -861,6 +862,7 @@ def _bwd_dq_inner(
 @triton.jit
 def _flash_attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,                              # pointers
+    CuQ, CuK, Alibi, Sinks,                                   # the options' (_mod_args)
     stride_qb, stride_qh, stride_qm, stride_qd,               # strides (elements)
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -868,7 +870,6 @@ def _flash_attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, GROUP, N_Q, N_K, D,                                    # sizes
     sm_scale, qk_scale,
-    CuQ, CuK, Alibi, Sinks,                                   # options (_mod_args)
     stride_ab, stride_ah, lse_stride_h, left, right, softcap2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
@@ -999,16 +1000,19 @@ _PLAIN_MODS = {c: Mods(_attn_mods.plain(c)) for c in (False, True)}
 ALIGNMENTS = {"top_left": False, "bottom_right": True}
 
 
-def _mod_args(mods: Mods, placeholder: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernels' option arguments (after the scale) and their constexpr switches.
-    ``placeholder`` stands in for pointers the switches leave unread."""
+def _mod_args(mods: Mods, placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """The kernels' option arguments: their pointers (after the kernel's own), their
+    scalars (after the scale) and their constexpr switches. ``placeholder`` stands in for
+    pointers the switches leave unread. Pointers lead a launch's arguments, as direct
+    launches (``portable_kernels._direct``) need: a tensor among the scalars keeps
+    Triton's JIT launch on every call."""
     o = mods.options
     alibi = o.alibi
-    args = (placeholder if mods.cu_q is None else mods.cu_q,
-            placeholder if mods.cu_k is None else mods.cu_k,
-            placeholder if alibi is None else alibi,
-            placeholder if o.sinks is None else o.sinks,
-            *((0, 0) if alibi is None else alibi.stride()),
+    pointers = (placeholder if mods.cu_q is None else mods.cu_q,
+                placeholder if mods.cu_k is None else mods.cu_k,
+                placeholder if alibi is None else alibi,
+                placeholder if o.sinks is None else o.sinks)
+    args = (*((0, 0) if alibi is None else alibi.stride()),
             mods.total_q, o.left, o.right, o.softcap2 or 1.0)
     flags = {"WINDOW": o.window, "SOFTCAP": o.softcap2 > 0, "ALIBI": alibi is not None,
              "SINKS": o.sinks is not None, "VARLEN": mods.varlen, "ALIGN_BR": mods.align_br,
@@ -1016,7 +1020,7 @@ def _mod_args(mods: Mods, placeholder: torch.Tensor) -> tuple[tuple, dict]:
              # sequence without keys (a sink is always seen).
              "MAY_EMPTY": o.sinks is None and ((mods.align_br and o.causal) or o.window
                                                or mods.varlen)}
-    return args, flags
+    return pointers, args, flags
 
 
 def _strides(t: torch.Tensor, mods: Mods) -> tuple:
@@ -1287,9 +1291,10 @@ def _forward(plan, q, k, v, causal: bool, scale: float,
         b, n_q, n_k = mods.batch, mods.max_q, mods.max_k
     block_d = _block_d(d)
     switches = _switches(plan, block_d)
-    mod_args, flags = _mod_args(mods, lse)
-    args = (q, k, v, out, lse, *_strides(q, mods), *_strides(k, mods), *_strides(v, mods),
-            *_strides(out, mods), h, h // h_kv, n_q, n_k, d, scale * _LOG2E, *mod_args)
+    mod_ptrs, mod_args, flags = _mod_args(mods, lse)
+    args = (q, k, v, out, lse, *mod_ptrs, *_strides(q, mods), *_strides(k, mods),
+            *_strides(v, mods), *_strides(out, mods), h, h // h_kv, n_q, n_k, d,
+            scale * _LOG2E, *mod_args)
     # A positive scale commutes with the max (see the kernel); a softcap or ALiBi bias
     # does not.
     raw_max = scale > 0 and not (flags["SOFTCAP"] or flags["ALIBI"])
@@ -1414,19 +1419,19 @@ def _launch_preprocess(out, do, delta, block_m: int, opts: dict, plan,
     plain = mods is None or not mods.varlen
     block_d = _block_d(d)
     plan.direct(_flash_attn_bwd_preprocess_kernel)[(_host.cdiv(n_q, block_m), b * h)](
-        out, do, delta, *(out.stride() if plain else _strides(out, mods)),
-        *(do.stride() if plain else _strides(do, mods)), h, n_q, d, cu_q, total_q,
+        out, do, delta, cu_q, *(out.stride() if plain else _strides(out, mods)),
+        *(do.stride() if plain else _strides(do, mods)), h, n_q, d, total_q,
         BLOCK_M=block_m, BLOCK_D=block_d, PAD_D=d != block_d, VARLEN=not plain, **opts,
     )
 
 
 def _bwd_args(mods: Mods | None, causal: bool, lse: torch.Tensor, q, k) -> tuple:
-    """``(mods, mod_args, flags, batch, n_q, n_k)`` of a backward launch."""
+    """``(mods, mod_ptrs, mod_args, flags, batch, n_q, n_k)`` of a backward launch."""
     mods = _mods(causal) if mods is None else mods
-    mod_args, flags = _mod_args(mods, lse)
+    mod_ptrs, mod_args, flags = _mod_args(mods, lse)
     if mods.varlen:
-        return mods, mod_args, flags, mods.batch, mods.max_q, mods.max_k
-    return mods, mod_args, flags, q.shape[0], q.shape[2], k.shape[2]
+        return mods, mod_ptrs, mod_args, flags, mods.batch, mods.max_q, mods.max_k
+    return mods, mod_ptrs, mod_args, flags, q.shape[0], q.shape[2], k.shape[2]
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
@@ -1436,10 +1441,10 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float,
     (``bench/flash_attn_sweep.py`` times it alone through this, without a ``plan``: then
     through Triton's JIT launch)."""
     h, d, h_kv = q.shape[1], q.shape[3], k.shape[1]
-    mods, mod_args, flags, b, n_q, n_k = _bwd_args(mods, causal, lse, q, k)
+    mods, mod_ptrs, mod_args, flags, b, n_q, n_k = _bwd_args(mods, causal, lse, q, k)
     block_d = _block_d(d)
     _host.launcher(plan, _flash_attn_bwd_dkdv_kernel)[(_host.cdiv(n_k, block_n), b * h_kv)](
-        q, k, v, do, lse, delta, dk, dv,
+        q, k, v, do, lse, delta, dk, dv, *mod_ptrs,
         *_strides(q, mods), *_strides(k, mods), *_strides(v, mods), *_strides(do, mods),
         *_strides(dk, mods), *_strides(dv, mods),
         h, h_kv, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E, *mod_args,
@@ -1453,10 +1458,10 @@ def _launch_dq(q, k, v, do, lse, delta, dq, causal: bool, scale: float,
                mods: Mods | None = None) -> None:
     """The dq kernel on ``block_m`` queries per program, streaming ``block_n`` keys."""
     h, d, h_kv = q.shape[1], q.shape[3], k.shape[1]
-    mods, mod_args, flags, b, n_q, n_k = _bwd_args(mods, causal, lse, q, k)
+    mods, mod_ptrs, mod_args, flags, b, n_q, n_k = _bwd_args(mods, causal, lse, q, k)
     block_d = _block_d(d)
     _host.launcher(plan, _flash_attn_bwd_dq_kernel)[(_host.cdiv(n_q, block_m), b * h)](
-        q, k, v, do, lse, delta, dq,
+        q, k, v, do, lse, delta, dq, *mod_ptrs,
         *_strides(q, mods), *_strides(k, mods), *_strides(v, mods), *_strides(do, mods),
         *_strides(dq, mods),
         h, h // h_kv, n_q, n_k, d, scale, scale * _LOG2E, *mod_args,
