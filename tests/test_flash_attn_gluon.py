@@ -442,8 +442,8 @@ def test_shipped_key_thresholds_are_powers_of_two():
 def test_chosen_under_emulation_for_a_large_bf16_call_on_cuda_tensors(profile, monkeypatch):
     """Selection as an sm_90 GPU with Triton 3.6 makes it, from any machine: the problem of
     CUDA tensors (only its device differs from a CPU call's) goes to the variant when long
-    enough, to nvidia.hopper with the threshold named when not; under the interpreter the
-    variant declines with its reason."""
+    enough, to nvidia.hopper with the threshold named when not. The executing device is
+    the suite's (a GPU machine has no CPU device to run kernels on)."""
     monkeypatch.setattr(_common, "TRITON_OK", True)
     monkeypatch.setattr(fg, "MIN_KEYS", {64: 2048, 128: 1024})
 
@@ -452,13 +452,25 @@ def test_chosen_under_emulation_for_a_large_bf16_call_on_cuda_tensors(profile, m
         kv = torch.empty(1, 2, n_k, d, dtype=torch.bfloat16)
         with pk.emulate(profile):
             cuda = fa.problem(q, kv, kv, True)._replace(device=torch.device("cuda", 0))
-            return dispatch.select(NAME, cuda, torch.device("cpu")), pk.explain(NAME, q, kv, kv)
+            return dispatch.select(NAME, cuda, dispatch._resolve_device(DEVICE))
 
-    sel, on_cpu = select(4096)
+    sel = select(4096)
     assert sel.variant == GLUON and "written in Gluon" in sel.verdicts[0].reason
-    short, _ = select(1000)
+    short = select(1000)
     assert short.variant == "nvidia.hopper"
     assert "Nk is below 1024 keys" in next(v for v in short.verdicts if v.name == GLUON).reason
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU tensors run under Triton's interpreter, "
+                    "which a process that compiles for its GPU does not use")
+@pytest.mark.parametrize("profile", ["h200", "h100"])
+def test_declined_under_emulation_for_cpu_tensors(profile, monkeypatch):
+    """The same long call of CPU tensors: the variant declines with the interpreter's reason."""
+    monkeypatch.setattr(_common, "TRITON_OK", True)
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    kv = torch.empty(1, 2, 4096, 128, dtype=torch.bfloat16)
+    with pk.emulate(profile):
+        on_cpu = pk.explain(NAME, q, kv, kv)
     verdict = next(v for v in on_cpu.verdicts if v.name == GLUON)
     assert on_cpu.variant != GLUON and "Triton's interpreter does not run them" in verdict.reason
 

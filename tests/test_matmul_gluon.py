@@ -193,8 +193,8 @@ def test_predicate_names_the_problem(monkeypatch):
 def test_chosen_under_emulation_for_a_large_bf16_product_on_cuda_tensors(profile, monkeypatch):
     """Selection as an sm_90 GPU with Triton 3.6 makes it, from any machine: the problem of
     CUDA tensors (only its device differs from a CPU call's) goes to the variant from
-    MIN_TILES output tiles on, to nvidia.persistent_tma with the reason below; under the
-    interpreter the variant declines with its reason."""
+    MIN_TILES output tiles on, to nvidia.persistent_tma with the reason below. The
+    executing device is the suite's (a GPU machine has no CPU device to run kernels on)."""
     monkeypatch.setattr(_common, "TRITON_OK", True)
 
     def select(m, n, k=64):
@@ -202,13 +202,21 @@ def test_chosen_under_emulation_for_a_large_bf16_product_on_cuda_tensors(profile
         b = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
         with pk.emulate(profile):
             cuda = mm.problem(a, b)._replace(device=torch.device("cuda", 0))
-            return dispatch.select(NAME, cuda, torch.device("cpu"))
+            return dispatch.select(NAME, cuda, dispatch._resolve_device(DEVICE))
 
     sel = select(4096, 4096)
     assert sel.variant == GLUON and "written in Gluon" in sel.verdicts[0].reason
     small = select(128 * 131, 256)
     assert small.variant == TMA
     assert "MIN_TILES" in next(v for v in small.verdicts if v.name == GLUON).reason
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU tensors run under Triton's interpreter, "
+                    "which a process that compiles for its GPU does not use")
+@pytest.mark.parametrize("profile", ["h200", "h100"])
+def test_declined_under_emulation_for_cpu_tensors(profile, monkeypatch):
+    """A bf16 product of CPU tensors: the variant declines with the interpreter's reason."""
+    monkeypatch.setattr(_common, "TRITON_OK", True)
     x = torch.zeros(64, 64, dtype=torch.bfloat16)
     with pk.emulate(profile):
         on_cpu = pk.explain(NAME, x, x)
