@@ -71,7 +71,7 @@ def test_selected_on_its_own_hardware(acme_env):
 
 
 def test_conformance_runs_its_variant_and_passes(acme_env, tmp_path):
-    proc = run(acme_env, "conformance", "--device", "cpu", "--kernels", "vector_add",
+    proc = run(acme_env, "conformance", "--device", str(DEVICE), "--kernels", "vector_add",
                "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rep = report.load(tmp_path / "r.json")
@@ -84,7 +84,7 @@ def test_conformance_runs_its_variant_and_passes(acme_env, tmp_path):
 
 
 def test_conformance_of_one_backend(acme_env, tmp_path):
-    proc = run(acme_env, "conformance", "--device", "cpu", "--backend", "acme", "--quick",
+    proc = run(acme_env, "conformance", "--device", str(DEVICE), "--backend", "acme", "--quick",
                "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rep = report.load(tmp_path / "r.json")

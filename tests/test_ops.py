@@ -379,6 +379,7 @@ def test_handles_made_inside_a_compiled_function_in_a_fresh_process():
     code = textwrap.dedent(f"""
         import torch, portable_kernels as pk
         from portable_kernels import plugins
+        from portable_kernels.testing import Tolerance, max_error, tolerance
         assert plugins._HOST is None
         device = {str(DEVICE)!r}
 
@@ -394,13 +395,17 @@ def test_handles_made_inside_a_compiled_function_in_a_fresh_process():
         q64 = q.detach().double().requires_grad_()
         ref = torch.nn.functional.scaled_dot_product_attention(q64, q64, q64, is_causal=True)
         ref.square().sum().backward()
-        print(float((out.double() - ref).abs().max()), float((q.grad.double() - q64.grad).abs().max()),
-              float((sm.double() - torch.softmax(x.double(), -1)).abs().max()))
+        # Error over allowed error: the table's bounds (fp32 products may run as tf32 on a
+        # GPU), the gradient's scaled by its largest element as tests/test_flash_attn.py does.
+        attn = tolerance(torch.float32, "attention")
+        grad = Tolerance(attn.atol * max(1.0, q64.grad.abs().max().item()), attn.rtol)
+        print(max_error(out, ref, attn)[1], max_error(q.grad, q64.grad, grad)[1],
+              max_error(sm, torch.softmax(x.double(), -1), tolerance(torch.float32, "reduction"))[1])
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = [float(e) for e in done.stdout.split()]
-    assert errors[0] < 1e-4 and errors[1] < 1e-3 and errors[2] < 1e-6, errors
+    ratios = [float(e) for e in done.stdout.split()]
+    assert len(ratios) == 3 and all(r <= 1.0 for r in ratios), ratios
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
