@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import portable_kernels as pk
 from portable_kernels import _direct, dispatch
@@ -98,6 +99,33 @@ def test_calls_that_may_select_another_binary_take_the_jit_path(cuda_stand_ins, 
     assert len(fn.calls) == 2 and launch.launches == 0
     launch(_grid, args, kwargs)  # now seen
     assert len(fn.calls) == 2 and launch.launches == 1
+
+
+def _specialized(x_ptr, y_ptr, n, m, BLOCK: tl.constexpr):
+    pass  # only Triton's binder reads this kernel's signature
+
+
+def test_the_key_separates_what_tritons_binder_specializes(cuda_stand_ins):
+    """Calls Triton's own binder specializes apart (dtypes, 16-byte alignment, integers
+    equal to 1, divisible by 16 or past 32 bits) never share a key, so a seen key never
+    launches a binary compiled for another specialization."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import jit
+
+    fn = jit.JITFunction(_specialized)
+    binder = jit.create_function_from_signature(fn.signature, fn.params,
+                                                make_backend(GPUTarget("cuda", 90, 32)))
+    launch = _direct.DirectLaunch(fn, {}, direct=True)
+    storage = torch.zeros(64, dtype=torch.float16)
+    seen: dict = {}
+    for x in (storage[:8], storage[1:9], storage.float()[:8]):
+        for n in (0, 1, 2, 16, 17, 2**31, 2**32):
+            for m in (1, 16):
+                args = (x, storage[:8], n, m)
+                spec = str(binder(*args, BLOCK=64)[1])
+                assert seen.setdefault(launch._key(args, {"BLOCK": 64}), spec) == spec
+    assert len(set(seen.values())) > 10  # the binder did tell these calls apart
 
 
 def _descriptor(t, block=(8, 64), swizzle=128):

@@ -93,6 +93,38 @@ def test_conformance_of_one_backend(acme_env, tmp_path):
     assert rep["options"]["backend"] == "acme"
 
 
+def test_own_kernel_compiles_for_every_conformance_case(acme_env):
+    """ACME's kernel compiled for sm_90 (no GPU needed) the way Triton's JIT specializes
+    each conformance case's arguments. The interpreter specializes nothing, so a kernel
+    that breaks on a specialization passes every CPU case: the grid-stride kernel took its
+    grid size as an argument, which Triton compiles as a constant where it is 1 (every
+    one-program case), and failed to compile on the H200 in those cases only."""
+    code = (
+        "import sys, os, json; sys.path.insert(0, 'ci'); import compile_matrix as cm, torch\n"
+        "from triton.runtime import jit\n"
+        "from portable_kernels import plugins\n"
+        "from portable_kernels.conformance.test_vector_add import SUITE\n"
+        "host = plugins.host(); dev = host.emulation_profile('h200')\n"
+        "c = cm.Compiler(dev.shared_memory, target=cm.TARGETS['sm_90'])\n"
+        "jit.JITFunction.run = lambda self, *a, grid, warmup, **kw: c.run(self, a, kw)\n"
+        f"plan = cm.plans(host, dev, 'vector_add', {OWN_KERNEL!r})[0]\n"
+        "for shape in SUITE.shapes:\n"
+        "    for dtype in SUITE.dtypes:\n"
+        "        c.case = f'{shape.id}/{dtype}'\n"
+        "        x, y = SUITE.make_inputs(shape, dtype, 'cpu', torch.Generator().manual_seed(0)).args\n"
+        "        plan.variant.launch(plan, x, y)\n"
+        "print(json.dumps([[r.case, r.error] for r in c.rows])); sys.stdout.flush(); os._exit(0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLE.parent.parent, capture_output=True,
+                          text=True, env=dict(os.environ, **acme_env), timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    # n0 launches nothing; every other case compiles.
+    launched = [s for s in _suite().shapes if s.id != "n0"]
+    assert len(rows) == len(launched) * len(_suite().dtypes), rows
+    failed = [f"{case}: {error}" for case, error in rows if error]
+    assert not failed, f"{len(failed)} of {len(rows)} failed to compile:\n" + "\n".join(failed)
+
+
 def _suite():
     from portable_kernels.conformance import test_vector_add
 

@@ -17,11 +17,14 @@ from portable_kernels.kernels import _host
 
 
 @triton.jit
-def _grid_stride_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, n_programs, BLOCK_SIZE: tl.constexpr):
+def _grid_stride_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
     # A fixed grid (one program per compute unit) walks the whole vector: on a part whose
     # launches are costly, one launch of few programs beats one program per block.
+    # The stride is the grid's size read in the kernel, not passed as an argument: Triton
+    # compiles an integer argument equal to 1 as a Python constant, which has no ``.to``
+    # (a one-program grid failed to compile on the GPU; the interpreter never specializes).
     start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
-    step = n_programs.to(tl.int64) * BLOCK_SIZE
+    step = tl.num_programs(0).to(tl.int64) * BLOCK_SIZE
     for base in range(start, n_elements, step):
         offsets = base + tl.arange(0, BLOCK_SIZE)
         mask = offsets < n_elements
@@ -48,5 +51,5 @@ def vector_add(plan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     block = cfg.kwargs["BLOCK_SIZE"]
     programs = max(1, min(plan.device.num_sms, triton.cdiv(n, block)))
     plan.direct(_grid_stride_add_kernel)[(programs,)](
-        x, y, out, n, programs, BLOCK_SIZE=block, num_warps=cfg.num_warps)
+        x, y, out, n, BLOCK_SIZE=block, num_warps=cfg.num_warps)
     return out
