@@ -223,6 +223,51 @@ def test_launch_metadata_reaches_profiler_hooks(device, gen):
     assert ours and ours[-1]["flops16"] == 2.0 * 256 * 64 * 128
 
 
+def _check_accumulated(acc, before, products, dtype):
+    """``acc`` after ``acc += a @ b`` for each (a, b) of ``products``, starting from
+    ``before``: each step rounds once to ``dtype``, so the bound grows with the steps."""
+    ref = before.double() + sum(matmul_module.reference(a, b) for a, b in products)
+    tol = tolerance(dtype, "dot")
+    steps = len(products)
+    assert_close(acc, ref, type(tol)(tol.atol * steps, tol.rtol * steps), f"acc {dtype}")
+
+
+@pytest.mark.parametrize("variant", ["generic", TMA])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulates_in_place(device, gen, dtype, variant):
+    """``acc=``: the product added to an existing output, the result written there (tails
+    in every dimension, a row-major acc and a column-major view of a bigger one), three
+    times over as a sum over chunks is; the first call tunes without touching acc."""
+    if variant == TMA and dtype == torch.float32:
+        pytest.skip("the descriptor variant takes 16-bit and fp8 operands")
+    M, N, K = 72, 48, 40
+    mm = pk.get_kernel("matmul")
+    row = _rand(gen, M, N, dtype=dtype, device=device)
+    col = _rand(gen, N + 5, M, dtype=dtype, device=device)[:N].t()
+    with pk.use_variant(matmul=variant):
+        for acc in (row, col):
+            before = acc.clone()
+            products = [(_rand(gen, M, K, dtype=dtype, device=device),
+                         _rand(gen, K, N, dtype=dtype, device=device)) for _ in range(3)]
+            for a, b in products:
+                assert mm(a, b, acc=acc) is acc
+            _check_accumulated(acc, before, products, dtype)
+
+
+def test_accumulate_errors_and_empty_k(device):
+    mm = pk.get_kernel("matmul")
+    a, b = torch.ones(3, 4, device=device), torch.ones(4, 5, device=device)
+    with pytest.raises(ValueError, match=r"acc must be the \(M, N\) = \(3, 5\) output .* got \(5, 3\)"):
+        mm(a, b, acc=torch.zeros(5, 3, device=device))
+    with pytest.raises(ValueError, match="acc must have the output dtype float32 of float32 operands, got float16"):
+        mm(a, b, acc=torch.zeros(3, 5, device=device, dtype=torch.float16))
+    with pytest.raises(ValueError, match="must not be a broadcast view"):
+        mm(a, b, acc=torch.zeros(5, device=device).expand(3, 5))
+    acc = torch.full((3, 5), 2.0, device=device)
+    assert mm(torch.ones(3, 0, device=device), torch.ones(0, 5, device=device), acc=acc) is acc
+    assert (acc == 2).all()
+
+
 # --- the Hopper variant, forced (it runs on the interpreter too) ---------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, *FP8])

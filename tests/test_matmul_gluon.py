@@ -167,8 +167,8 @@ def test_size_issue_names_the_threshold():
     assert (p.m, p.n, p.k) == (0, 4096, 0) and gmm.size_issue(p.m, p.n, p.k)
 
 
-def _cuda_problem(dtype=torch.float16, m=2048, k=64, b_layout="row"):
-    return mm.Problem(torch.device("cuda"), dtype, "row", b_layout, True, m, 4096, k)
+def _cuda_problem(dtype=torch.float16, m=2048, k=64, b_layout="row", accumulate=False):
+    return mm.Problem(torch.device("cuda"), dtype, "row", b_layout, True, m, 4096, k, accumulate)
 
 
 def test_predicate_names_the_problem(monkeypatch):
@@ -183,6 +183,7 @@ def test_predicate_names_the_problem(monkeypatch):
     assert "MIN_TILES" in gmm.accepts(_cuda_problem(m=128), h200)
     assert gmm.accepts(_cuda_problem(k=0), h200) == "K is 0: the output is all zeros"
     assert "b cannot be described" in gmm.accepts(_cuda_problem(b_layout=""), h200)
+    assert "acc= (adding to an existing output)" in gmm.accepts(_cuda_problem(accumulate=True), h200)
     b200 = plugins.host().emulation_profile("b200")
     assert "sm_90's warpgroup MMA" in gmm.accepts(_cuda_problem(), b200)
     monkeypatch.setattr(_common, "TRITON_OK", False)

@@ -159,18 +159,37 @@ def ptr_store(
 
 
 @triton.jit
+def ptr_accumulate(
+    c_ptr, acc,                                     # output base pointer, fp32 tile
+    M, N,                                           # sizes
+    stride_cm, stride_cn,                           # strides (elements)
+    off_m, off_n,                                   # the tile's first row and column
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+):
+    """``C += acc`` on the in-bounds part: the old tile read, the sum taken in fp32 and
+    rounded to the output dtype once."""
+    offs_m = off_m + tl.arange(0, BLOCK_SIZE_M)
+    offs_n = off_n + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + (offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    old = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, (old + acc).to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gemm_descriptors(
     a_ptr, b_ptr, c_ptr,                            # operand and output base pointers
     M, N, K,                                        # sizes
     stride_am, stride_ak, stride_bk, stride_bn,     # operand strides (elements)
     stride_cm,                                      # output row stride (unit column stride)
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    A_T: tl.constexpr, B_T: tl.constexpr, SUBTILE: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, SUBTILE: tl.constexpr, C_DESC: tl.constexpr = True,
 ):
     """Tensor descriptors of A, B and C with the block shapes :func:`desc_mainloop` and
     :func:`desc_store` expect. Each needs a unit stride in its last dimension, a 16-byte
     aligned base and a 16-byte multiple other stride (the launcher checked): a
-    column-major operand (``A_T``/``B_T``) is described through its transpose."""
+    column-major operand (``A_T``/``B_T``) is described through its transpose. Without
+    ``C_DESC``, C stays a pointer (an epilogue that reads C through pointers, any strides)."""
     if A_T:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_ak, 1],
                                            block_shape=[BLOCK_SIZE_K, BLOCK_SIZE_M])
@@ -183,7 +202,9 @@ def gemm_descriptors(
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
                                            block_shape=[BLOCK_SIZE_K, BLOCK_SIZE_N])
-    if SUBTILE:
+    if not C_DESC:
+        c_desc = c_ptr
+    elif SUBTILE:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_SIZE_M, BLOCK_SIZE_N // 2])
     else:

@@ -91,13 +91,18 @@ _matmul_launch_metadata = _host.gemm_launch_metadata("a", "c")
 
 @triton.jit
 def _store_tile(
-    c, acc,                                         # output pointer or descriptor, fp32 tile
-    M, N, stride_cm, stride_cn,                     # output sizes and strides (pointer path)
+    c, c_ptr, acc,                                  # output pointer or descriptor, its pointer, fp32 tile
+    M, N, stride_cm, stride_cn,                     # output sizes and strides
     off_m, off_n,                                   # the tile's first row and column
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-    EPILOGUE_SUBTILE: tl.constexpr, TMA: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    if TMA:
+    if ACCUMULATE:
+        # Through pointers on every path: a descriptor load of the tile would need shared
+        # memory beside the main loop's stages, which the tuned configs already fill.
+        _tiles.ptr_accumulate(c_ptr, acc, M, N, stride_cm, stride_cn, off_m, off_n,
+                              BLOCK_SIZE_M, BLOCK_SIZE_N)
+    elif TMA:
         _tiles.desc_store(c, acc, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE)
     else:
         _tiles.ptr_store(c, acc, M, N, stride_cm, stride_cn, off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N)
@@ -106,12 +111,13 @@ def _store_tile(
 @triton.jit
 def _split_k_store(
     partials, counters,                             # fp32 [SPLIT_K, M, N] workspace, int32 per tile
-    c, acc,                                         # output pointer or descriptor, fp32 partial tile
+    c, c_ptr, acc,                                  # output pointer or descriptor, its pointer, fp32 partial tile
     tile_id, split,                                 # which tile, which K slice
-    M, N, stride_cm, stride_cn,                     # output sizes and strides (pointer path)
+    M, N, stride_cm, stride_cn,                     # output sizes and strides
     off_m, off_n,                                   # the tile's first row and column
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """Split-K epilogue: store this slice's partial tile; the tile's last slice to arrive
     sums all ``SPLIT_K`` partials and stores the result."""
@@ -141,14 +147,15 @@ def _split_k_store(
             total += tl.load(tile_0 + s * plane + at, mask=in_tile, other=0.0, cache_modifier=".cg")
         # Leave the counter at zero: the autotuner relaunches with the same arguments.
         tl.atomic_xchg(counters + tile_id, 0)
-        _store_tile(c, total, M, N, stride_cm, stride_cn, off_m, off_n,
-                    BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, TMA)
+        _store_tile(c, c_ptr, total, M, N, stride_cm, stride_cn, off_m, off_n,
+                    BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, TMA, ACCUMULATE)
 
 
 @triton.jit
 def _matmul_tile(
     work_id,                                        # linear work unit: (K slice, tile)
     a, b, c,                                        # pointers, or descriptors when TMA
+    c_ptr,                                          # the output's pointer (ACCUMULATE reads it)
     partials, counters,                             # split-K workspace (SPLIT_K > 1 only)
     M, N, K,                                        # sizes
     stride_am, stride_ak, stride_bk, stride_bn,     # operand strides (pointer path)
@@ -158,6 +165,7 @@ def _matmul_tile(
     GROUP_SIZE_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr,
     TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr, FP8_PROMOTE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     # --- work unit -> tile (grouped order) and K blocks [k_lo, k_hi) ---
     k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
@@ -196,11 +204,12 @@ def _matmul_tile(
 
     # --- write-back ---
     if SPLIT_K == 1:
-        _store_tile(c, acc, M, N, stride_cm, stride_cn, off_m, off_n,
-                    BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, TMA)
+        _store_tile(c, c_ptr, acc, M, N, stride_cm, stride_cn, off_m, off_n,
+                    BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, TMA, ACCUMULATE)
     else:
-        _split_k_store(partials, counters, c, acc, tile_id, split, M, N, stride_cm, stride_cn,
-                       off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, SPLIT_K, TMA)
+        _split_k_store(partials, counters, c, c_ptr, acc, tile_id, split, M, N, stride_cm, stride_cn,
+                       off_m, off_n, BLOCK_SIZE_M, BLOCK_SIZE_N, EPILOGUE_SUBTILE, SPLIT_K, TMA,
+                       ACCUMULATE)
 
 
 @triton.jit(launch_metadata=_matmul_launch_metadata)
@@ -227,12 +236,14 @@ def _matmul_kernel(
     UPCAST: tl.constexpr = False,
     A_T: tl.constexpr = False,
     B_T: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,
 ):
+    c_ptr = c
     if TMA:
         # --- tensor descriptors, once per program (a persistent one reuses them) ---
         a, b, c = _tiles.gemm_descriptors(a, b, c, M, N, K, stride_am, stride_ak, stride_bk,
                                           stride_bn, stride_cm, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                                          BLOCK_SIZE_K, A_T, B_T, EPILOGUE_SUBTILE)
+                                          BLOCK_SIZE_K, A_T, B_T, EPILOGUE_SUBTILE, not ACCUMULATE)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     if PERSISTENT:
@@ -240,18 +251,18 @@ def _matmul_kernel(
         # Consecutive programs take consecutive tiles of the grouped order, so the grid as
         # a whole still sweeps one L2-sized group at a time.
         for work_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0)):
-            _matmul_tile(work_id, a, b, c, partials, counters, M, N, K,
+            _matmul_tile(work_id, a, b, c, c_ptr, partials, counters, M, N, K,
                          stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                          num_pid_m, num_pid_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
                          GROUP_SIZE_M, EPILOGUE_SUBTILE, SPLIT_K, TMA, WARP_SPECIALIZE, UPCAST,
-                         A_T, B_T, FP8_PROMOTE)
+                         A_T, B_T, FP8_PROMOTE, ACCUMULATE)
     else:
         # --- one program per work unit ---
-        _matmul_tile(tl.program_id(0), a, b, c, partials, counters, M, N, K,
+        _matmul_tile(tl.program_id(0), a, b, c, c_ptr, partials, counters, M, N, K,
                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                      num_pid_m, num_pid_n, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
                      GROUP_SIZE_M, EPILOGUE_SUBTILE, SPLIT_K, TMA, WARP_SPECIALIZE, UPCAST,
-                     A_T, B_T, FP8_PROMOTE)
+                     A_T, B_T, FP8_PROMOTE, ACCUMULATE)
 
 
 # --- host launcher --------------------------------------------------------------------------
@@ -268,16 +279,17 @@ class Problem(NamedTuple):
     m: int
     n: int
     k: int
+    accumulate: bool = False  # acc= given: the product is added to an existing output
 
 
-def problem(a, b) -> Problem:
-    """Selection key of a ``matmul(a, b)`` call."""
+def problem(a, b, acc=None) -> Problem:
+    """Selection key of a ``matmul(a, b, acc)`` call."""
     device = _host.same_device(NAME, a=a, b=b)
     # Output rows of N elements: 2 bytes each for fp8 operands (bf16 output).
     n_aligned = b.dim() == 2 and (b.shape[1] * max(2, b.element_size())) % 16 == 0
     m, k = a.shape if a.dim() == 2 else (0, 0)
     return Problem(device, a.dtype, _host.tma_layout(a), _host.tma_layout(b), n_aligned,
-                   m, b.shape[1] if b.dim() == 2 else 0, k)
+                   m, b.shape[1] if b.dim() == 2 else 0, k, acc is not None)
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
@@ -421,18 +433,44 @@ def chosen_config(plan, a: torch.Tensor, b: torch.Tensor) -> dict | None:
     return plan.chosen(tuned, _problem_key(plan.switches.get("TMA", False), a, b))
 
 
-def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _check_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    shape = (a.shape[0], b.shape[1])
+    if not isinstance(acc, torch.Tensor) or tuple(acc.shape) != shape:
+        got = tuple(acc.shape) if isinstance(acc, torch.Tensor) else type(acc).__name__
+        raise _host.InputError(f"{NAME}: acc must be the (M, N) = {shape} output to add a @ b "
+                               f"to, got {got}")
+    if acc.dtype != out_dtype(a.dtype):
+        raise _host.InputError(f"{NAME}: acc must have the output dtype "
+                               f"{_host._dtype_name(out_dtype(a.dtype))} of {_host._dtype_name(a.dtype)} "
+                               f"operands, got {_host._dtype_name(acc.dtype)}")
+    _host.same_device(NAME, a=a, acc=acc)
+    if acc.numel() > 1 and 0 in acc.stride():
+        raise _host.InputError(f"{NAME}: acc is written in place and must not be a broadcast "
+                               f"view (strides {acc.stride()})")
+
+
+def launch(plan, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` for ``a`` (M, K) and ``b`` (K, N) of one dtype (fp16, bf16, fp32, or fp8
-    e4m3/e5m2 in the device's encoding, OCP or fnuz), any strides; accumulates in fp32 (tf32 dots for fp32 on NVIDIA GPUs).
-    Returns a new contiguous (M, N) tensor of that dtype, or bf16 for fp8 operands."""
+    e4m3/e5m2 in the device's encoding, OCP or fnuz), any strides; accumulates in fp32 (tf32
+    dots for fp32 on NVIDIA GPUs). Returns a new contiguous (M, N) tensor of that dtype, or
+    bf16 for fp8 operands.
+
+    With ``acc`` (M, N) of that output dtype, any strides: ``acc += a @ b`` in place (as
+    ``torch.addmm(acc, a, b, out=acc)``), the old value added to the fp32 product and
+    rounded once; returns ``acc``. For sums over many products that would not fit at once
+    (a weight gradient over chunks of tokens)."""
     _check(a, b)
     M, K = a.shape
     N = b.shape[1]
-    out = torch.empty((M, N), dtype=out_dtype(a.dtype), device=a.device)
+    if acc is None:
+        out = torch.empty((M, N), dtype=out_dtype(a.dtype), device=a.device)
+    else:
+        _check_acc(acc, a, b)
+        out = acc
     if M == 0 or N == 0:
         return out
     if K == 0:
-        return out.zero_()
+        return out if acc is not None else out.zero_()
     num_sms = plan.device.num_sms
 
     def grid(meta):
@@ -446,6 +484,10 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     tma = plan.switches.get("TMA", False)
     problem_key = _problem_key(tma, a, b)
     a_t, b_t = problem_key[3], problem_key[4]
+    if acc is not None and plan.chosen(kernel, problem_key) is None:
+        # Tune on a plain product first: the autotuner times each config by launching it
+        # several times, which would add to acc once per launch.
+        launch(plan, a, b)
 
     # --- split-K workspace: for the config tuned for this problem, or before tuning for
     # any config the autotuner may pick that splits K ---
@@ -470,12 +512,14 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         partials, counters = plan.cached(("matmul.split_k", a.device), lambda: (
             torch.empty(1, dtype=torch.float32, device=a.device),
             torch.zeros(1, dtype=torch.int32, device=a.device)))
+    # An accumulating launch has its own key: the same tuned config, another binary.
+    run_key = problem_key if acc is None else (*problem_key, "acc")
     with _host.scratch_allocator(a.device) if tma else contextlib.nullcontext():
         plan.run_tuned(
-            kernel, problem_key, grid,
+            kernel, run_key, grid,
             a, b, out, partials, counters, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            A_T=a_t, B_T=b_t, **switches,
+            A_T=a_t, B_T=b_t, ACCUMULATE=acc is not None, **switches,
         )
     return out
 
@@ -513,7 +557,8 @@ GENERIC_SWITCHES = {"TMA": False, "PERSISTENT": False, "WARP_SPECIALIZE": False,
 
 def register(registry) -> None:
     registry.add_kernel(KernelSpec(
-        NAME, "(a, b) -> out", problem, "2-D matrix product, any M, N, K, fp32 accumulation",
+        NAME, "(a, b, acc=None) -> out", problem,
+        "2-D matrix product, any M, N, K, fp32 accumulation; acc=: added in place to acc",
         reference, inputs=inputs, input_shape="MxNxK"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, switches=GENERIC_SWITCHES,

@@ -31,19 +31,22 @@ def size_issue(m: int, n: int, k: int) -> str:
 def accepts(problem: family.Problem, device: DeviceInfo) -> str | None:
     """sm_90 (the kernel states its warpgroup MMAs, which later NVIDIA parts do not have),
     CUDA tensors and Triton 3.6 (``_common.runs_here``), 16-bit operands, enough output
-    tiles (:func:`size_issue`) and the family's descriptor predicate."""
+    tiles (:func:`size_issue`) and the family's descriptor predicate; not ``acc=`` (its
+    epilogue only stores)."""
     if device.arch != "sm_90":
         return f"written for sm_90's warpgroup MMA instructions, which {device.arch} lacks"
     reason = _common.runs_here(problem.device.type)
     if reason:
         return reason
+    if problem.accumulate:
+        return "acc= (adding to an existing output) takes the Triton kernel's epilogue"
     if problem.dtype not in kernels.DTYPES:
         return (f"{_host._dtype_name(problem.dtype)} operands take the Triton kernel (the "
                 "Gluon one takes float16 and bfloat16)")
     return size_issue(problem.m, problem.n, problem.k) or family.tma_accepts(problem, device)
 
 
-def launch(plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def launch(plan, a: torch.Tensor, b: torch.Tensor, acc: None = None) -> torch.Tensor:
     """``a @ b`` as ``matmul.launch`` computes it (the same checks, a new contiguous (M, N)
     output of the operands' dtype), through the Gluon kernel for the calls
     :func:`accepts` took."""
