@@ -1110,8 +1110,10 @@ def _flce_forward_setup(ctx, inputs, output):
 
 
 def _flce_forward_backward(ctx, grad, *_grad_of_gradients):
-    dh, dw, db = ctx.saved_tensors
-    return (dh * grad, dw * grad, None, db * grad if ctx.has_bias else None) + (None,) * 5
+    # A second backward through a retained graph finds the saved gradients' versions
+    # changed and autograd raises, rather than scaling them twice.
+    dh, dw, db = _family(_FLCE).scale_saved(ctx.saved_tensors, grad)
+    return (dh, dw, None, db if ctx.has_bias else None) + (None,) * 5
 
 
 fused_linear_cross_entropy_forward.register_autograd(_flce_forward_backward,

@@ -10,30 +10,31 @@ rows (:func:`chunk_rows`); per chunk:
 2. ``cross_entropy``'s kernel with both passes in one launch: the rows' loss and, in
    place of the logits, their gradient (times ``1 / counted rows`` for ``"mean"``); the
    bias is added inside the kernel, in fp32;
-3. ``dh_c = dlogits @ weight`` into the hidden gradient; ``dlogits.T @ h_c``, in slices
-   of weight rows, added to an fp32 weight-gradient accumulator; the column sums of
-   ``dlogits`` to an fp32 bias one.
+3. ``dh_c = dlogits @ weight`` into the hidden gradient; ``dweight += dlogits.T @ h_c``
+   by the matmul's accumulating epilogue (``acc=``: the old value read, the fp32 product
+   added, rounded once to the weight's dtype), as Liger's and cuBLAS's ``addmm`` do; the
+   column sums of ``dlogits`` to an fp32 bias accumulator.
 
 So the forward of ``"mean"`` and ``"sum"`` computes every gradient, and the backward only
-multiplies them by the upstream (scalar) gradient, as Liger's fused linear cross-entropy
-does. ``"none"`` cannot: its upstream gradient weighs each row, and the weight gradient
-sums over rows, so its forward computes the losses only and its backward runs the chunks
-again with the per-row weights as the kernel's scale.
+multiplies them by the upstream (scalar) gradient, in place, as Liger's fused linear
+cross-entropy does. ``"none"`` cannot: its upstream gradient weighs each row, and the
+weight gradient sums over rows, so its forward computes the losses only and its backward
+runs the chunks again with the per-row weights as the kernel's scale.
 
 Memory beyond the inputs, in bytes (s: the inputs' element size):
 
     C*V*s (a logits chunk, reused as its gradient) + C*H*s (a hidden-gradient product)
-    + R*H*s (a weight-gradient product of R = weight_slice(...) rows, about C*V/H)
-    + V*H*4 + V*4 (fp32 accumulators) + T*H*s (the hidden gradient) + 8*T
+    + V*H*s + V*4 (the weight gradient, the fp32 bias accumulator) + T*H*s (the hidden
+    gradient) + 8*T
 
-of which T*H*s + V*H*s + V*s (the gradients) live until the backward. At the end of the
-forward the fp32 weight accumulator and the s-byte gradient coexist once: V*H*(4 + s) at
-that moment. fp32 accumulation costs that, twice a bf16 gradient's memory, and keeps the
-weight gradient, a sum over T/C chunks, from being rounded once per chunk. With
-``C = min(T, next_power_of_2(ceil(T / ceil(V / H))))`` the chunk is at most about twice
+of which T*H*s + V*H*s + V*s (the gradients) live until the backward. The weight gradient
+is rounded to its dtype once per chunk (T/C times): an fp32 accumulator would hold twice a
+bf16 gradient's memory and move twice its bytes per chunk, which made the weight
+gradient's chunked sum the slowest part of the call (bench/losses.py).
+With ``C = min(T, next_power_of_2(ceil(T / ceil(V / H))))`` the chunk is at most about twice
 the hidden states' size, ``C*V < 2*T*H + 2*V`` elements: for T=8192, H=4096, V=128256,
 C=256 and a 66 MB bf16 chunk, where the full logits would take 2.1 GB (4.2 GB in fp32);
-the fp32 accumulator takes 2.1 GB there, the bf16 weight gradient 1.05 GB.
+the bf16 weight gradient takes 1.05 GB.
 Configs are ``cross_entropy``'s (``MAX_BLOCK_V``, ``TILE``).
 """
 from __future__ import annotations
@@ -66,13 +67,6 @@ def chunk_rows(n_rows: int, n_classes: int, hidden: int) -> int:
     return max(1, min(n_rows, per_chunk))
 
 
-def weight_slice(step: int, n_classes: int, hidden: int) -> int:
-    """Weight rows per slice of the weight gradient's products: a (rows, H) product about
-    the size of the (C, V) logits chunk, at least 1024 rows (or all V), so each product
-    still fills a GPU."""
-    return max(1, min(n_classes, max(1024, _host.cdiv(step * n_classes, max(hidden, 1)))))
-
-
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
            reduction) -> None:
     _host.check_dtype(NAME, "hidden", hidden)
@@ -100,17 +94,20 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
 _MATMUL: list = []  # the matmul handle, made on first use (it rebinds to a new plugin host)
 
 
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` by the matmul family's variant for these operands: its plan (selection,
-    tuning) from the handle, launched here through the variant's own launcher (a backend's
-    variant may have one), where the caller holds the device's launch guard (a handle call
-    would take it again)."""
+def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (or ``acc += a @ b``) by the matmul family's variant for these operands:
+    its plan (selection, tuning) from the handle, launched here through the variant's own
+    launcher (a backend's variant may have one), where the caller holds the device's launch
+    guard (a handle call would take it again)."""
     if not _MATMUL:
         from ..dispatch import get_kernel  # not at import: dispatch loads the kernel modules
 
         _MATMUL.append(get_kernel("matmul"))
-    plan = _MATMUL[0].plan(a, b)
-    return plan.launch(plan, a, b)
+    if acc is None:
+        plan = _MATMUL[0].plan(a, b)
+        return plan.launch(plan, a, b)
+    plan = _MATMUL[0].plan(a, b, acc=acc)
+    return plan.launch(plan, a, b, acc=acc)
 
 
 def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(False, False, False)):
@@ -127,10 +124,11 @@ def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(F
     grads = any(needs)
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if needs[0] else None
     step = chunk_rows(n_rows, n_classes, width)
-    # The weight gradient sums over every chunk: accumulated in fp32, its products taken
-    # in slices of weight rows so that no whole (V, H) product exists next to it.
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if needs[1] else None
-    dw_parts = dw.split(weight_slice(step, n_classes, width)) if needs[1] else ()
+    # The weight gradient sums over every chunk: each chunk's product is added to it by
+    # the matmul's epilogue (fp32 sum, one rounding per chunk), as Liger and cuBLAS's
+    # addmm do; an fp32 accumulator would double the gradient's memory and the bytes each
+    # chunk moves (module docstring).
+    dw = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if needs[1] else None
     db = torch.zeros(n_classes, dtype=torch.float32, device=device) if needs[2] else None
     weight_t = weight.t()  # (H, V): the matmul reads the strides, no copy
     for start in range(0, n_rows, step):
@@ -144,14 +142,11 @@ def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(F
                           z_loss=z_loss, softcap=softcap)
         if needs[0]:
             dh[start:end] = _product(logits, weight)
-        v = 0
-        for part in dw_parts:
-            part += _product(logits[:, v:v + part.shape[0]].t(), h)
-            v += part.shape[0]
+        if needs[1]:
+            _product(logits.t(), h, acc=dw)
         if needs[2]:
             db += logits.sum(0, dtype=torch.float32)
-    cast = (lambda t: None if t is None else t.to(hidden.dtype))
-    return rows, dh, cast(dw), cast(db)
+    return rows, dh, dw, None if db is None else db.to(hidden.dtype)
 
 
 def _needs(hidden, weight, bias) -> tuple[bool, bool, bool]:
@@ -181,6 +176,18 @@ def backward(plan, grad, hidden, weight, target, bias, options, needs=(True, Tru
     ignore_index, *_, reduction = options
     scale = cross_entropy.upstream_scale(grad, target, ignore_index, reduction)
     return _chunks(plan, hidden, weight, target, bias, options, scale=scale, needs=needs)[1:]
+
+
+def scale_saved(grads, grad: torch.Tensor) -> list:
+    """The gradients the forward computed for an upstream gradient of 1, times ``grad``
+    (0-d). Eager: in place, since a second copy of the weight gradient would be the call's
+    largest allocation; a second backward through the same graph (``retain_graph=True``)
+    then finds them changed and autograd raises, rather than scaling them twice. Traced
+    (torch.compile, AOT autograd: tensor subclasses stand for the values): out of place,
+    since a graph's saved activations must not be mutated by its backward."""
+    if type(grad) is torch.Tensor and not torch.compiler.is_compiling():
+        return [None if g is None else g.mul_(grad) for g in grads]
+    return [None if g is None else g * grad for g in grads]
 
 
 def _options(ignore_index, label_smoothing, z_loss, softcap, reduction) -> tuple:
@@ -230,7 +237,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             with _host.launching(grad.device):
                 grads = backward(ctx.plan, grad, hidden, weight, target, bias, ctx.options, ctx.needs)
         else:
-            grads = [None if g is None else g * grad for g in ctx.saved_tensors]
+            grads = scale_saved(ctx.saved_tensors, grad)
         dh, dw, db = grads
         return dh, dw, None, db if ctx.has_bias else None, None, None, None
 
