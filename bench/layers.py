@@ -171,7 +171,7 @@ def implementations(family: str) -> dict[str, _peers.Impl]:
 
 def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: Any) -> dict:
     row: dict = {"family": family, "tokens": tokens, "hidden": hidden,
-                 "dtype": str(dtype).removeprefix("torch."), "ms": {}, "gbps": {}, "error": {}}
+                 "dtype": str(dtype).removeprefix("torch."), "ms": {}, "tflops": {}, "gbps": {}, "error": {}}
     args = inputs(family, tokens, hidden, dtype, "cuda")
     passes = ["fwd"] + (["bwd"] if args_.backward else [])
     for name, impl in implementations(family).items():

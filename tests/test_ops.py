@@ -212,12 +212,17 @@ def test_opcheck_stage_ops(gen, device):
     torch.library.opcheck(ln.rope_backward.default, (q, k, cos, sin, positions, interleaved))
 
     q, k, v, causal, scale = CASES["flash_attn"][0](gen, device, True)
-    torch.library.opcheck(ln.flash_attn_forward.default, (q, k, v, causal, scale))
+    # opcheck compares eager and compiled gradients: on GPUs fp32 attention runs tf32 dots,
+    # whose rounding differs between the two beyond opcheck's default fp32 bound.
+    attn = tolerance(F32, "attention")
+    torch.library.opcheck(ln.flash_attn_forward.default, (q, k, v, causal, scale),
+                          atol=attn.atol, rtol=attn.rtol)
     with torch.no_grad():
         out, lse = ln.flash_attn_forward(q, k, v, causal, scale)
     do = torch.randn_like(out)
     torch.library.opcheck(ln.flash_attn_backward.default,
-                          (do, q.detach(), k.detach(), v.detach(), out, lse, causal, scale))
+                          (do, q.detach(), k.detach(), v.detach(), out, lse, causal, scale),
+                          atol=attn.atol, rtol=attn.rtol)
 
     logits, target, *options = CASES["cross_entropy"][0](gen, device, True)
     for reduction in ("mean", "none"):
