@@ -522,6 +522,12 @@ def matmul_cases(host, device, quick: bool):
                 b = torch.empty(512, 512, dtype=dtype)
                 b = b.t() if layout == "col" else b
                 yield variant, name, (lambda plan=plan, a=a, b=b: mm.launch(plan, a, b))
+            if cfg.kwargs.get("OPERAND_BYTES") != 1:
+                # acc= (the fused linear cross-entropy's weight gradient): the epilogue
+                # reads the old tile beside the fp32 accumulator.
+                a, b, acc = (torch.empty(512, 512, dtype=dtypes[0]) for _ in range(3))
+                name = f"{_label(cfg, ('BLOCK_SIZE_M', 'BLOCK_SIZE_N', 'BLOCK_SIZE_K'))} {_short(dtypes[0])} acc="
+                yield variant, name, (lambda plan=plan, a=a, b=b, acc=acc: mm.launch(plan, a, b, acc=acc))
     if "nvidia.hopper_gluon" in names:
         # The Gluon kernel (one tile, no table), every operand layout; compiled on every
         # Triton, also where the variant declines to run (TRITON_OK).
