@@ -33,7 +33,8 @@ embeddings, attention and the fused linear cross-entropy loss on our kernels), a
 Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)`` where Liger is installed (its
 attention stays SDPA's; it patches transformers' modules for the rest of the process, so
 it runs last). Each one's loss on the same batch must be within 1% of the unpatched
-model's; then tokens/s of forward+backward and the peak memory.
+model's; then tokens/s of forward+backward and the peak memory. ``--profile N`` adds each
+step's N costliest GPU kernels (torch's profiler), to trace a gap to the layers making it.
 
 Prints a table; with ``--json PATH`` writes it and the Markdown table beside it. Exits 1
 when a check fails, 2 when there is no CUDA GPU or no transformers.
@@ -73,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --patched: print each step's N costliest GPU kernels")
     p.add_argument("--patched", action="store_true",
                    help="time a training step: unpatched, apply(model), Liger's patch")
     args = p.parse_args(argv)
@@ -270,12 +273,34 @@ def run_patched(dtype: torch.dtype, args, config, pk_hf) -> list[dict]:
                 ms = cuda_ms(step, args.warmup, args.iters)
                 row.update(ms=ms, tok_s=ids.numel() / (ms * 1e-3),
                            peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / 2**30)
+                if args.profile:
+                    row["kernels"] = kernel_profile(step, args.profile)
         except Exception as exc:  # e.g. a peer that does not support this transformers
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         rows.append(row)
         print(f"  {label}: " + (row.get("error") or f"{row['ms']:.1f} ms, {row['tok_s']:,.0f} tok/s, "
                                 f"peak {row['peak_gib']:.2f} GiB beyond the weights"), flush=True)
+        for name, ms, calls in row.get("kernels", []):
+            print(f"      {ms:8.2f} ms {calls:5d}x  {name}")
     return rows
+
+
+def kernel_profile(step, top: int) -> list[tuple[str, float, int]]:
+    """The ``top`` GPU kernels of one ``step`` by device time: (name, ms, launches), from
+    torch's profiler (kernel names cut to 90 characters), so that a step's gap to another
+    can be traced to the layers that make it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    total = (lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+    kernels.sort(key=total, reverse=True)
+    return [(e.key[:90], total(e) / 1e3, e.count) for e in kernels[:top]]
 
 
 def patched_markdown(rows: list[dict], meta: dict) -> str:
