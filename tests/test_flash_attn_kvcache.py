@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import portable_kernels as pk
 from portable_kernels import ops, plugins
@@ -91,6 +92,57 @@ def test_split_count_comes_from_shapes_not_lengths(gen, device, monkeypatch):
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
         ops.flash_attn_with_kvcache(q, kc, vc, None, None, seqlens, table)
     assert len(seen) == 1  # the second call's lengths reused the first's grid
+
+
+# --- paged gathers --------------------------------------------------------------------------
+
+def _with_config(plan, **kwargs):
+    """``plan`` with its first config's keys ``kwargs`` replaced."""
+    from portable_kernels.launch import LaunchPlan
+
+    cfg = plan.config
+    return LaunchPlan(plan.variant, plan.device,
+                      [triton.Config({**cfg.kwargs, **kwargs}, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)], plan.switches)
+
+
+@pytest.mark.parametrize("page", [16, 64], ids=["page16", "page64"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["1split", "3splits"])
+@pytest.mark.parametrize("ahead", [1, 0], ids=["table_ahead", "table_in_step"])
+def test_paged_gathers_across_pages_and_steps(gen, device, ahead, splits, page):
+    """32-key steps over 16-key pages (a step gathers two) and over 64-key pages (two steps
+    share one), a shuffled block table, lengths ending mid-page and mid-step, several steps
+    per split (with TABLE_AHEAD the next step's table entries are carried across steps;
+    without it each step loads its own), NaN wherever no key is and table entries past each
+    sequence's blocks naming no block: against the float64 reference."""
+    fam = _family()
+    q, kc, vc, k, v, seqlens, table = _paged(gen, device, b=3, h=4, h_kv=2, d=32, page=page,
+                                             per_seq=192 // page, lengths=(150, 7, 181))
+    plan = _with_config(pk.get_kernel(NAME).plan(q, kc, vc, k, v, seqlens, table),
+                        BLOCK_N=32, TABLE_AHEAD=ahead)
+    ref, ref_lse = fam.reference(q, kc.clone(), vc.clone(), k, v, seqlens, table, causal=True,
+                                 return_lse=True)
+    out, lse = fam.launch(plan, q, kc.clone(), vc.clone(), k, v, seqlens, table, causal=True,
+                          num_splits=splits, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_close(out, ref, tolerance(torch.float32, "attention"), "output")
+    assert_close(lse, ref_lse, tolerance(torch.float32, "attention"), "LSE")
+
+
+def test_stages_fit_the_devices_shared_memory():
+    """num_stages comes down (not below 2) where the config's K/V buffers would pass the
+    device's shared memory: D = 256 on a 99 KB sm_89, fp32 D = 256 on an H200; otherwise
+    the config's own."""
+    from portable_kernels.launch import LaunchPlan
+
+    fam = _family()
+    host = plugins.host()
+    variant = host.registry.variants[NAME]["generic"]
+    cfg = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)
+    for profile, d, itemsize, stages in (("l40s", 128, 2, 3), ("l40s", 256, 2, 2),
+                                         ("h200", 256, 2, 3), ("h200", 256, 4, 2)):
+        plan = LaunchPlan(variant, host.emulation_profile(profile), [cfg], variant.switches)
+        assert fam._stages(plan, 16, 64, d, itemsize) == stages, (profile, d, itemsize)
 
 
 # --- semantics -----------------------------------------------------------------------------

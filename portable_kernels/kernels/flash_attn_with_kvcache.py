@@ -41,7 +41,14 @@ the capacity, at most :data:`MAX_SPLITS`.
 Paged caches: each block of ``BLOCK_N`` keys gathers its rows through ``block_table``, key
 by key (page ``table[b, j // block_size]``, row ``j % block_size``), so a block may span
 several pages or part of one. Rows past a sequence's length and pages it does not use are
-never read (their contents may be anything, NaN included).
+never read (their contents may be anything, NaN included). The table entries of a key
+block are loaded one step ahead of its K/V tiles (``TABLE_AHEAD``, on by default): were
+they loaded in the same step, every K/V load would wait on a table load, and Triton's
+pipeliner, which shares ``num_stages - 1`` steps of lead among the levels of such a chain,
+would leave the K/V tiles one step of lead, a single buffer that no dot overlaps (at
+``num_stages=3``; it takes 5 to get the two that a contiguous cache gets at 3). Carried in
+registers by the loop instead, the entries are ready a whole step before the K/V loads
+that use them, which the pipeliner then prefetches as deep as in a contiguous cache.
 
 Constexpr switches (see ``SWITCHES``):
     UPCAST: convert loaded tiles to fp32 before the dots (the CPU backend sets it: the
@@ -52,12 +59,14 @@ rectangular tiles, and a decode tile is too small to pay for one on a contiguous
 
 Config (backend tuning tables): ``BLOCK_M`` (the most packed rows a tile holds; the launcher
 uses the smallest power of two >= 16 that covers ``Nq * GROUP`` up to it), ``BLOCK_N`` (keys
-per step), optional ``BLOCK_R`` (rows per combine program, default 16) and ``WRITE_BLOCK_T``
-(tokens per append program, default 16), ``num_warps``, ``num_stages``; any other keyword
-goes to the attention kernel's launch as a compiler option (``matrix_instr_nonkdim`` on
-ROCm). The launcher takes the first config and does not autotune: a decode step's time
-depends on the lengths in the cache, which a tuner keyed on shapes does not see, and a
-first call that benchmarked would not be capturable.
+per step), optional ``BLOCK_R`` (rows per combine program, default 16), ``WRITE_BLOCK_T``
+(tokens per append program, default 16) and ``TABLE_AHEAD`` (0: a paged cache's table
+entries loaded in the step that uses them; default :data:`TABLE_AHEAD`), ``num_warps``,
+``num_stages`` (lowered where its K/V buffers would not fit the device's shared memory:
+:func:`_stages`); any other keyword goes to the attention kernel's launch as a compiler
+option (``matrix_instr_nonkdim`` on ROCm). The launcher takes the first config and does not
+autotune: a decode step's time depends on the lengths in the cache, which a tuner keyed on
+shapes does not see, and a first call that benchmarked would not be capturable.
 """
 from __future__ import annotations
 
@@ -78,8 +87,11 @@ SWITCHES = {"UPCAST": False}
 WAVES = 2
 #: The most splits :func:`pick_splits` chooses (each adds a partial row to merge).
 MAX_SPLITS = 128
+#: Paged caches: load each key block's block-table entries one step ahead of its K/V
+#: tiles (module docstring), where a config does not say (its ``TABLE_AHEAD`` key).
+TABLE_AHEAD = True
 # Config keys the launcher reads itself; the others are compiler options.
-_HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_R", "WRITE_BLOCK_T"})
+_HOST_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_R", "WRITE_BLOCK_T", "TABLE_AHEAD"})
 
 LOG2E = tl.constexpr(_attn_mods.LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -102,6 +114,15 @@ def _finish(acc, m, l, sink2):
     return acc * inv[:, None], lse2
 
 
+@triton.jit
+def _pages(table_row, s_t1, start_n, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page of each key ``start_n + [0, BLOCK_N)`` (int32, its block-table entry),
+    0 for keys at or past ``end``: their entries are not read (past a sequence's blocks
+    they may name no block at all)."""
+    offs = start_n + tl.arange(0, BLOCK_N)
+    return tl.load(table_row + (offs // PAGE) * s_t1, mask=offs < end, other=0)
+
+
 # --- attention over a share of the keys ----------------------------------------------------
 
 @triton.jit
@@ -121,7 +142,7 @@ def _flash_attn_with_kvcache_kernel(
     HAS_SEQLENS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # --- program id to (split, sequence, K/V head, packed rows) -------------------------------
     split = tl.program_id(0)
@@ -174,14 +195,26 @@ def _flash_attn_with_kvcache_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # --- main loop over key blocks --------------------------------------------------------------
+    # With TABLE_AHEAD the pages of the next key block are loaded a step ahead and carried
+    # by the loop (module docstring: the K/V addresses then depend on no load of their own
+    # step, and the pipeliner prefetches the K/V tiles as deep as a contiguous cache's).
+    table_row = Table + b.to(tl.int64) * s_t0
+    if PAGE > 0 and TABLE_AHEAD:
+        pages_next = _pages(table_row, s_t1, start, end, PAGE, BLOCK_N)
+    else:
+        pages_next = tl.zeros([BLOCK_N], tl.int32)  # unused; the loop carries a constant
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         # Where each key lives: (page, row in page) through the block table, or
-        # (sequence, position) in a contiguous cache. Masked keys read nothing.
+        # (sequence, position) in a contiguous cache. Masked keys read nothing. int64:
+        # a page times its stride may pass 2^31 elements in a large cache.
         if PAGE > 0:
-            blk = tl.load(Table + b.to(tl.int64) * s_t0 + (offs_n // PAGE) * s_t1,
-                          mask=n_ok, other=0).to(tl.int64)
+            if TABLE_AHEAD:
+                blk = pages_next.to(tl.int64)
+                pages_next = _pages(table_row, s_t1, start_n + BLOCK_N, end, PAGE, BLOCK_N)
+            else:
+                blk = _pages(table_row, s_t1, start_n, end, PAGE, BLOCK_N).to(tl.int64)
             row = (offs_n % PAGE).to(tl.int64)
         else:
             blk = tl.zeros([BLOCK_N], tl.int64) + b
@@ -460,14 +493,32 @@ def _tiles(plan, n_rows: int) -> tuple[int, int, dict, int]:
     return max(16, block_m), cfg.kwargs.get("BLOCK_N", 64), extra, cfg.num_warps
 
 
-def _grid(plan, n_rows: int, heads: int, capacity: int, d: int, num_splits: int) -> tuple:
-    """The tiles, query tiles, split count and BLOCK_D of a call's shapes (memoised per
-    plan: a decode loop repeats one shape)."""
+def _stages(plan, block_m: int, block_n: int, block_d: int, itemsize: int) -> int:
+    """The config's ``num_stages``, lowered (to 2 at least) while its K/V buffers, about
+    ``num_stages - 1`` tiles of K and of V beside the Q and P tiles, would pass the device's
+    shared memory: a config is per device, not per head dim, and three stages of D = 256
+    (or fp32) tiles need more than the 99 KB of sm_89 and sm_120."""
+    stages = plan.config.num_stages
+    budget = plan.device.shared_memory  # 0: unknown (the CPU), nothing to fit
+    kv = 2 * block_n * block_d * itemsize
+    fixed = block_m * (block_d + block_n) * itemsize
+    while budget and stages > 2 and (stages - 1) * kv + fixed > budget:
+        stages -= 1
+    return stages
+
+
+def _grid(plan, n_rows: int, heads: int, capacity: int, d: int, itemsize: int,
+          num_splits: int) -> tuple:
+    """The tiles, query tiles, split count, BLOCK_D, stages and TABLE_AHEAD of a call's
+    shapes (memoised per plan: a decode loop repeats one shape)."""
     block_m, block_n, extra, warps = _tiles(plan, n_rows)
     m_tiles = _host.cdiv(n_rows, block_m)
     splits = num_splits or pick_splits(heads * m_tiles, _host.cdiv(capacity, block_n),
                                        plan.device.num_sms)
-    return block_m, block_n, extra, warps, m_tiles, splits, max(16, _host.next_power_of_2(d))
+    block_d = max(16, _host.next_power_of_2(d))
+    stages = _stages(plan, block_m, block_n, block_d, itemsize)
+    ahead = bool(plan.config.kwargs.get("TABLE_AHEAD", TABLE_AHEAD))
+    return block_m, block_n, extra, warps, m_tiles, splits, block_d, stages, ahead
 
 
 def launch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -510,9 +561,10 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
     lse = torch.empty((batch, h, n_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    block_m, block_n, extra, warps, m_tiles, splits, block_d = plan.cached(
-        (NAME, "grid", n_q * group, batch * h_kv, c.capacity, d, num_splits),
-        lambda: _grid(plan, n_q * group, batch * h_kv, c.capacity, d, num_splits))
+    block_m, block_n, extra, warps, m_tiles, splits, block_d, stages, ahead = plan.cached(
+        (NAME, "grid", n_q * group, batch * h_kv, c.capacity, d, q.dtype, num_splits),
+        lambda: _grid(plan, n_q * group, batch * h_kv, c.capacity, d, q.element_size(),
+                      num_splits))
     o = c.options
     if splits > 1:
         part_o = torch.empty((splits, batch, n_q, h, block_d), device=q.device,
@@ -535,8 +587,8 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
         GROUP=group, PAGE=k_cache.shape[1] if c.paged else 0, NUM_SPLITS=splits,
         HAS_SEQLENS=c.seqlens is not None, CAUSAL=o.causal, WINDOW=o.window,
         SOFTCAP=o.softcap2 > 0, ALIBI=o.alibi is not None, SINKS=o.sinks is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-        num_stages=cfg.num_stages, **plan.switches, **extra)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, TABLE_AHEAD=ahead and c.paged,
+        num_warps=warps, num_stages=stages, **plan.switches, **extra)
     if splits > 1:
         rows = batch * n_q * h
         block_r = cfg.kwargs.get("BLOCK_R", 16)
