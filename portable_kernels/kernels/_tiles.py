@@ -149,26 +149,17 @@ def ptr_store(
     stride_cm, stride_cn,                           # strides (elements)
     off_m, off_n,                                   # the tile's first row and column
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+    ADD: tl.constexpr = False,
 ):
-    """Round ``acc`` to the output dtype once and store the in-bounds part."""
+    """Round ``acc`` to the output dtype once and store the in-bounds part; with ``ADD``,
+    the old values read and added in fp32 first."""
     offs_m = off_m + tl.arange(0, BLOCK_SIZE_M)
     offs_n = off_n + tl.arange(0, BLOCK_SIZE_N)
     c_ptrs = c_ptr + (offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ADD:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _ptr_accumulate_part(
-    c_ptr, part, M, N, stride_cm, stride_cn, off_m, off_n,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-):
-    offs_m = off_m + tl.arange(0, BLOCK_SIZE_M)
-    offs_n = off_n + tl.arange(0, BLOCK_SIZE_N)
-    c_ptrs = c_ptr + (offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    old = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptrs, (old + part).to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -185,10 +176,10 @@ def ptr_accumulate(
     spilled 760 registers on sm_100)."""
     halves = tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)), (0, 2, 1))
     left, right = tl.split(halves)
-    _ptr_accumulate_part(c_ptr, left, M, N, stride_cm, stride_cn, off_m, off_n,
-                         BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
-    _ptr_accumulate_part(c_ptr, right, M, N, stride_cm, stride_cn, off_m, off_n + BLOCK_SIZE_N // 2,
-                         BLOCK_SIZE_M, BLOCK_SIZE_N // 2)
+    ptr_store(c_ptr, left, M, N, stride_cm, stride_cn, off_m, off_n,
+              BLOCK_SIZE_M, BLOCK_SIZE_N // 2, True)
+    ptr_store(c_ptr, right, M, N, stride_cm, stride_cn, off_m, off_n + BLOCK_SIZE_N // 2,
+              BLOCK_SIZE_M, BLOCK_SIZE_N // 2, True)
 
 
 @triton.jit
