@@ -15,7 +15,7 @@ what was allocated before the call; a forward's output and a backward's gradient
 Every implementation's loss and gradients are checked first against torch's on fp32
 copies of the same inputs (random targets with 10% ignored), within bf16/fp16 bounds.
 
-    python bench/losses.py [--quick] [--dtypes bf16] [--json PATH]
+    python bench/losses.py [--quick] [--dtypes bf16] [--families ...] [--set ...] [--json PATH]
 
 Needs an NVIDIA GPU; on a CPU-only machine it exits saying what to run instead.
 """
@@ -161,7 +161,12 @@ def markdown(rows: list[dict], header: str) -> str:
 def main() -> None:
     parser = _common.options(__doc__, f"only {QUICK_CE} and {QUICK_FLCE}")
     parser.set_defaults(dtypes="bf16")
+    parser.add_argument("--families", default="cross_entropy,fused_linear_cross_entropy",
+                        help="comma-separated: cross_entropy, fused_linear_cross_entropy")
     args = parser.parse_args()
+    families = args.families.split(",")
+    if unknown := set(families) - {"cross_entropy", "fused_linear_cross_entropy"}:
+        parser.error(f"--families: unknown {', '.join(sorted(unknown))}")
     if args.cudagraph:
         parser.error("--cudagraph: the losses allocate per call (their chunks, their outputs); "
                      "timed eagerly only")
@@ -177,6 +182,7 @@ def main() -> None:
     rows, start = [], time.time()
     cases = ([("cross_entropy", s) for s in (QUICK_CE if args.quick else CE_SHAPES)]
              + [("fused_linear_cross_entropy", s) for s in (QUICK_FLCE if args.quick else FLCE_SHAPES)])
+    cases = [(family, shape) for family, shape in cases if family in families]
     for dtype in _common.dtypes(args.dtypes):
         for family, shape in cases:
             row = bench_row(family, shape, dtype)

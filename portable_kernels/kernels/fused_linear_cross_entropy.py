@@ -48,6 +48,13 @@ from . import _host, cross_entropy
 
 NAME = "fused_linear_cross_entropy"
 
+#: Chunk rows are multiplied by this (a power of two). Each chunk reads and writes the whole
+#: weight gradient once (its ``acc=`` product has K = C), so doubling C halves that traffic
+#: and adds C*V*s bytes of peak memory: the trade between the two targets (time against
+#: torch's unfused loss, memory against Liger's) that ``bench/losses.py --set
+#: fused_linear_cross_entropy.CHUNK_SCALE=2`` measures.
+CHUNK_SCALE = 1
+
 
 class Problem(NamedTuple):
     device: torch.device
@@ -64,6 +71,7 @@ def chunk_rows(n_rows: int, n_classes: int, hidden: int) -> int:
     """Rows per chunk (module docstring): the (C, V) logits chunk about the size of the
     (T, H) hidden states, a power of two (at most ``n_rows``, at least 1)."""
     per_chunk = _host.next_power_of_2(_host.cdiv(max(n_rows, 1), _host.cdiv(n_classes, max(hidden, 1))))
+    per_chunk *= CHUNK_SCALE
     return max(1, min(n_rows, per_chunk))
 
 
