@@ -374,6 +374,17 @@ def problem(x, weight, bias, eps=1e-5) -> Problem:
 
 
 def _check(x, weight, bias, eps) -> None:
+    # Every call runs this: the common valid call passes one inline test (a few µs less
+    # than the checks below, which name what is wrong).
+    try:
+        dtype, n = x.dtype, x.shape[-1]
+        if (type(eps) is float and 0.0 <= eps < _INF and dtype in _host.FLOAT_DTYPES
+                and weight.dtype is dtype and bias.dtype is dtype
+                and weight.shape == (n,) and bias.shape == (n,)
+                and weight.device == x.device and bias.device == x.device):
+            return
+    except (AttributeError, IndexError):
+        pass
     _host.same_device(NAME, x=x, weight=weight, bias=bias)
     _host.check_dtype(NAME, "x", x)
     _host.check_same_dtype(NAME, x=x, weight=weight, bias=bias)
@@ -391,6 +402,9 @@ def _check(x, weight, bias, eps) -> None:
         raise _host.InputError(f"{NAME}: eps must be finite and >= 0, got eps={eps}")
 
 
+_INF = float("inf")
+
+
 def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` from the plan's config."""
     cfg = plan.config
@@ -403,6 +417,8 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as (M, N) rows, a view where strides allow."""
+    if t.dim() == 2:  # no view to make (a view op costs host time on every call)
+        return t
     n_cols = t.shape[-1]
     # reshape(-1, 0) is ambiguous (torch refuses it): with no columns, count the rows.
     return t.reshape(-1, n_cols) if n_cols else t.reshape(math.prod(t.shape[:-1]), 0)
@@ -425,7 +441,9 @@ def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None):
     out_rows = torch.empty_like(y) if add else rows  # the new residual (ADD); else unread
     if y.numel() == 0:
         return y.reshape(x.shape), out_rows, mean, rstd
-    block_m, block_n, num_warps = _blocks(plan, n_rows, n_cols)
+    # Memoised per power-of-two row bucket (what _blocks reads of n_rows), not per count.
+    block_m, block_n, num_warps = plan.cached(("blocks", (n_rows - 1).bit_length(), n_cols),
+                                              lambda: _blocks(plan, n_rows, n_cols))
     rms = bias is None
     plan.direct(_layer_norm_fwd_kernel)[(_host.cdiv(n_rows, block_m),)](
         rows, weight, weight if rms else bias, y, mean, rstd, res_rows, out_rows if add else y,
@@ -435,7 +453,7 @@ def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None):
         # A row that fits one chunk is read once (the streamed passes read it three times).
         ONE_CHUNK=n_cols <= block_n, num_warps=num_warps, **plan.switches,
     )
-    return y.reshape(x.shape), out_rows, mean, rstd
+    return (y if x.dim() == 2 else y.view(x.shape)), out_rows, mean, rstd
 
 
 def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: float = 0.0,

@@ -35,8 +35,21 @@ def problem(x, weight, eps=1e-6, offset=0.0) -> Problem:
     return Problem(_host.tensor_device(NAME, "x", x), x.dtype)
 
 
+_INF = float("inf")
+
+
 def _check(x, weight, eps, offset, name: str = NAME) -> None:
     """Errors named for ``name`` (add_rms_norm checks its norm's arguments here too)."""
+    # The common valid call passes one inline test (layer_norm._check says why).
+    try:
+        dtype = x.dtype
+        if (type(eps) is float and 0.0 <= eps < _INF and type(offset) is float
+                and -_INF < offset < _INF and dtype in _host.FLOAT_DTYPES
+                and weight.dtype is dtype and weight.shape == (x.shape[-1],)
+                and weight.device == x.device):
+            return
+    except (AttributeError, IndexError):
+        pass
     _host.same_device(name, x=x, weight=weight)
     _host.check_dtype(name, "x", x)
     _host.check_same_dtype(name, x=x, weight=weight)

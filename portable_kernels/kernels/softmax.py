@@ -98,11 +98,16 @@ def launch(plan, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         raise _host.InputError(f"{NAME}: x must have at least one dimension, got a scalar")
     if not -x.dim() <= dim < x.dim():
         raise _host.InputError(f"{NAME}: dim {dim} is out of range for a {x.dim()}-D tensor")
-    moved = x.movedim(dim, -1)
+    # Each view op costs a microsecond or two of host time, as much as the rest of a small
+    # call: a 2-D softmax over its last dimension takes none.
+    last = dim == -1 or dim == x.dim() - 1
+    moved = x if last else x.movedim(dim, -1)
     if moved.numel() == 0:  # no rows or no columns (reshape(-1, 0) is ambiguous)
-        return torch.empty(moved.shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+        out = torch.empty(moved.shape, dtype=x.dtype, device=x.device)
+        return out if last else out.movedim(-1, dim)
     n_cols = moved.shape[-1]
-    rows = moved.reshape(-1, n_cols)  # a view when the leading dims collapse, else a copy
+    # A view when the leading dims collapse, else a copy.
+    rows = moved if moved.dim() == 2 else moved.reshape(-1, n_cols)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     cfg = plan.config
     block = min(_host.next_power_of_2(n_cols), cfg.kwargs["MAX_BLOCK_N"])
@@ -112,7 +117,9 @@ def launch(plan, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         out, rows, n_cols, rows.stride(0), rows.stride(1), out.stride(0),
         BLOCK_N=block, ONE_PASS=n_cols <= block, num_warps=num_warps, **plan.switches,
     )
-    return out.reshape(moved.shape).movedim(-1, dim)
+    if moved.dim() != 2:
+        out = out.view(moved.shape)
+    return out if last else out.movedim(-1, dim)
 
 
 # --- reference ------------------------------------------------------------------------------
