@@ -240,6 +240,30 @@ def test_bad_input_is_named_before_any_launch(device, index):
     assert all(torch.equal(a, c) for a, c in zip(args[1:3], caches))  # nothing written
 
 
+def test_a_call_seen_before_is_not_checked_again(device, monkeypatch):
+    """A decode loop repeats one call: its checks run once per signature (shapes, strides,
+    dtypes, devices, scalars with their types). A call differing only in a scalar's value
+    or type (causal=1 where a bool is due) is checked, and fails."""
+    fam = _family()
+    q, kc, vc, _ = _small(device)
+    lengths = torch.tensor([3, 4], dtype=torch.int32, device=device)
+    call = pk.get_kernel(NAME)
+    call(q, kc, vc, cache_seqlens=lengths)
+    checks = []
+    real = fam.check
+    monkeypatch.setattr(fam, "check", lambda *a: checks.append(a) or real(*a))
+    call(q, kc, vc, cache_seqlens=torch.tensor([5, 6], dtype=torch.int32, device=device))
+    assert checks == []  # the same signature: new lengths are values, not checked on the host
+    with pytest.raises(pk.ArgumentError, match="causal"):
+        call(q, kc, vc, cache_seqlens=lengths, causal=1)
+    call(q, kc, vc, cache_seqlens=3)
+    with pytest.raises(pk.InputError, match="cache_seqlens"):
+        call(q, kc, vc, cache_seqlens=40)  # an int is part of the signature by value
+    with pytest.raises(pk.InputError, match="window_size"):
+        call(q, kc, vc, cache_seqlens=lengths, window_size=(-2, 0))
+    assert len(checks) == 4
+
+
 def test_value_checks_only_under_pk_check_values(device, monkeypatch):
     """Block-table entries outside the cache and lengths past the capacity need the values
     on the host (a sync): checked under PK_CHECK_VALUES=1 only."""
