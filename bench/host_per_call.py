@@ -3,9 +3,11 @@
 ``portable_kernels/_direct.py``), ours through Triton's JIT launch (``PK_DIRECT_LAUNCH=0``),
 torch's own operator on the same inputs, and the peer Triton libraries' (FlagGems,
 Liger-Kernel: ``bench/_peers.py``) where installed and where they have the call. The rows
-are the small calls of a decode loop or a small batch: an add, a softmax and the norms of
-8 rows of 4096, a 16-row matmul against a 4096 x 4096 weight, one decode token over a KV
-cache, short attention, and two backwards.
+are the small calls of a decode loop or a small batch, one or more per family: an add, a
+softmax, the norms, gated activations, rotary embedding and asin on 8 rows of 4096, a
+16-row matmul against a 4096 x 4096 weight, one decode token over a KV cache and its cache
+write, short attention (fixed and variable length), the losses on 8 tokens, dropout, a
+grouped product of 8 experts, and two backwards.
 
 One process runs both settings, alternating over ``--rounds``. Plans decide on direct
 launches when they are built, so each pass sets ``PK_DIRECT_LAUNCH`` and drops the plans
@@ -29,6 +31,7 @@ from __future__ import annotations
 import portable_kernels as pk  # first: it chooses the interpreter before triton is imported
 
 import contextlib
+import itertools
 import os
 import statistics
 
@@ -38,6 +41,7 @@ from portable_kernels import plugins
 
 import _common  # bench/, beside this script
 import _peers
+import layers
 
 F = torch.nn.functional
 SETTINGS = {"direct": "1", "jit": "0"}
@@ -113,8 +117,66 @@ def cases() -> dict:
     out["flash_attn 1x8x512x64 causal fp16, forward and backward"] = {
         "ours": _backward(lambda *t: attn(*t, causal=True), [q, k, v], dq),
         "torch": _backward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), [q, k, v], dq)}
+    out.update(_other_families())
     return {name: {impl: fn for impl, fn in impls.items() if fn is not None}
             for name, impls in out.items()}
+
+
+def _other_families() -> dict:
+    """The rest of the families, each on a small call against torch's eager equivalent:
+    the layers of a model on 8 tokens of 4096 (bench/layers.py's arguments and torch ops),
+    the losses on 8 tokens, dropout, a grouped product of 8 experts, a varlen batch of
+    four short sequences, and a decode step's cache write."""
+    out = {}
+    for family in ("add_rms_norm", "swiglu", "geglu", "rope", "asin"):
+        args = layers.inputs(family, 8, 4096, torch.bfloat16, "cuda")
+        mine, theirs = pk.get_kernel(family), layers.torch_op(family)
+        out[f"{family} 8x4096 bf16"] = {
+            "ours": lambda mine=mine, args=args: mine(*args),
+            "torch": lambda theirs=theirs, args=args: theirs(*args),
+            **{p: _peer(p, family, *args) for p in _peers.PEERS}}
+    logits = _rand(8, 32000, dtype=torch.bfloat16)
+    target = torch.randint(0, 32000, (8,), device="cuda")
+    ce = pk.get_kernel("cross_entropy")
+    out["cross_entropy 8x32000 bf16"] = {"ours": lambda: ce(logits, target),
+                                         "torch": lambda: F.cross_entropy(logits.float(), target)}
+    hidden, weight = _rand(8, 4096, dtype=torch.bfloat16), _rand(32000, 4096, dtype=torch.bfloat16)
+    flce = pk.get_kernel("fused_linear_cross_entropy")
+    out["fused_linear_cross_entropy 8x4096x32000 bf16"] = {
+        "ours": lambda: flce(hidden, weight, target),
+        "torch": lambda: F.cross_entropy((hidden @ weight.t()).float(), target)}
+    x = _rand(4096)
+    drop = pk.get_kernel("dropout")
+    out["dropout 4096 fp16"] = {"ours": lambda: drop(x, 0.1, 1234),
+                                "torch": lambda: F.dropout(x, 0.1, training=True)}
+    experts_a = [_rand(16, 1024, dtype=torch.bfloat16) for _ in range(8)]
+    experts_b = [_rand(1024, 1024, dtype=torch.bfloat16) for _ in range(8)]
+    grouped = pk.get_kernel("grouped_matmul")
+    out["grouped_matmul 8x(16x1024x1024) bf16"] = {
+        "ours": lambda: grouped(experts_a, experts_b),
+        "torch": lambda: [a @ b for a, b in zip(experts_a, experts_b)]}
+    lengths = [37, 64, 5, 100]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    qv, kv, vv = (_rand(total, 8, 64) for _ in range(3))
+    varlen = pk.get_kernel("flash_attn_varlen")
+    padded = [t.new_zeros(len(lengths), 8, max(lengths), 64) for t in (qv, kv, vv)]
+    out["flash_attn_varlen 4 seqs (206 tokens) H8 D64 causal fp16"] = {
+        "ours": lambda: varlen(qv, kv, vv, cu, cu, max(lengths), max(lengths), causal=True),
+        # torch has no varlen call: SDPA on the padded batch (the work a user would do).
+        "torch": lambda: F.scaled_dot_product_attention(*padded, is_causal=True)}
+    k_new, v_new = (_rand(8, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    k_pages, v_pages = (_rand(512, 16, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(512 * 16, device="cuda")[:8]
+    write = pk.get_kernel("kv_cache_write")
+
+    def torch_write():
+        k_pages.view(-1, 8, 128)[slots] = k_new
+        v_pages.view(-1, 8, 128)[slots] = v_new
+
+    out["kv_cache_write 8 tokens H_kv8 D128 paged bf16"] = {
+        "ours": lambda: write(k_new, v_new, k_pages, v_pages, slots), "torch": torch_write}
+    return out
 
 
 def _time(fn, iters: int) -> float:
