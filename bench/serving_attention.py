@@ -219,8 +219,9 @@ def _prefill_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
             continue
         work = fixed_flops if fn is fixed else flops
         row["tflops"][name] = work / (row["ms"][name] * 1e-3) / 1e12
-    if sdpa:
-        best = min(sdpa, key=lambda n: row["ms"][f"sdpa_{n}"])
+    timed_sdpa = [n for n in sdpa if f"sdpa_{n}" in row["ms"]]  # not those that ran out of memory
+    if timed_sdpa:
+        best = min(timed_sdpa, key=lambda n: row["ms"][f"sdpa_{n}"])
         row["sdpa_best"], row["ms"]["sdpa"] = best, row["ms"][f"sdpa_{best}"]
     return [row]
 

@@ -1106,10 +1106,16 @@ def _(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
 def _flce_forward_setup(ctx, inputs, output):
     ctx.has_bias = inputs[3] is not None
     ctx.mark_non_differentiable(*output[1:])
+    # Autograd would otherwise pass the backward a zero tensor for each gradient output,
+    # a second (V, H) weight gradient's memory at the peak (2.08 against 1.10 GiB at
+    # 8192x4096x128256 bf16 on the H100).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[1:])
 
 
 def _flce_forward_backward(ctx, grad, *_grad_of_gradients):
+    if grad is None:  # not materialized: the loss had no gradient
+        return (None,) * 9
     # A second backward through a retained graph finds the saved gradients' versions
     # changed and autograd raises, rather than scaling them twice.
     dh, dw, db = _family(_FLCE).scale_saved(ctx.saved_tensors, grad)

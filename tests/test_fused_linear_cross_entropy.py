@@ -104,23 +104,36 @@ def test_only_the_gradients_asked_for(gen, device):
     assert fused(hidden.detach(), weight, target).grad_fn is None
 
 
-def test_chunk_rows():
-    # Module docstring's example: 256 rows, a (256, V) chunk the size of 2 * (T, H) / 2.
-    assert chunk_rows(8192, 128256, 4096) == 256
-    assert chunk_rows(5, 10, 64) == 5 and chunk_rows(0, 10, 4) == 1 and chunk_rows(3, 1000, 1) == 1
+@pytest.fixture(autouse=True)
+def _chunks_of_any_size(monkeypatch):
+    """Chunks as small as the formula makes them (not MIN_CHUNK_ROWS), so that these small
+    calls run the chunk loop; test_chunk_rows checks the shipped minimum."""
+    monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 1)
+
+
+def test_chunk_rows(monkeypatch):
+    scale = flce.CHUNK_SCALE
+    # Module docstring's example: 256 * CHUNK_SCALE rows.
+    assert chunk_rows(8192, 128256, 4096) == 256 * scale
+    assert chunk_rows(5, 10, 64) == 5 and chunk_rows(0, 10, 4) == 1 and chunk_rows(3, 1000, 1) == scale
     for rows in (1, 7, 100, 4096, 8191):
         for n_classes in (1, 33, 1000, 50257, 262144):
             for width in (1, 64, 2048, 8192):
                 c = chunk_rows(rows, n_classes, width)
                 assert 1 <= c <= rows and c & (c - 1) == 0 or c == rows
-                assert c * n_classes < 2 * rows * width + 2 * n_classes, (rows, n_classes, width, c)
+                assert c * n_classes < scale * (2 * rows * width + 2 * n_classes), (rows, n_classes, width, c)
+    monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 64)
+    assert chunk_rows(8, 32000, 4096) == 8      # a small batch: one chunk
+    assert chunk_rows(1000, 262144, 64) == 64   # never fewer than 64 rows
+    assert chunk_rows(8192, 128256, 4096) == 256 * scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_gradient_over_many_chunks(dtype, gen, device):
+def test_weight_gradient_over_many_chunks(dtype, gen, device, monkeypatch):
     """The weight gradient summed over many chunks (chunks of one row, V >> H), each added
     by the matmul's accumulating epilogue and rounded to the weight's dtype: 48 roundings
     of a bf16 sum stay within bf16's bound."""
+    monkeypatch.setattr(flce, "CHUNK_SCALE", 1)
     hidden, weight, target, b = _inputs(gen, device, dtype, rows=48, width=8,
                                         n_classes=2100, bias=True, ignored=0.0)
     assert chunk_rows(48, 2100, 8) == 1
@@ -169,6 +182,31 @@ def test_never_allocates_the_logits(reduction, gen, device):
     step = chunk_rows(rows, n_classes, width)
     assert step < rows
     assert seen.largest <= max(step * n_classes, n_classes * width, rows * width) < rows * n_classes
+
+
+def test_operator_backward_allocates_nothing_of_the_weights_size(gen, device):
+    """The operator's backward scales the gradients its forward computed in place: autograd
+    must not hand it zero tensors for the forward's gradient outputs (a second weight
+    gradient at the peak: 2.08 against Liger's 1.10 GiB at 8192x4096x128256 bf16)."""
+    from portable_kernels import ops
+
+    hidden, weight, target, _ = _inputs(gen, device, torch.float32, 32, 16, 256)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    loss = ops.fused_linear_cross_entropy(h, w, target)
+    made = []
+
+    class NewTensors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func._schema.name.endswith("_"):  # in-place operators return their input
+                made.extend(t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,))
+                            if isinstance(t, torch.Tensor))
+            return out
+
+    with NewTensors():
+        dh, dw = torch.autograd.grad(loss, [h, w])
+    assert all(n < w.numel() for n in made), made  # no zeros of the weight's size
+    assert dw.shape == w.shape and dh.shape == h.shape
 
 
 def test_projections_run_on_the_matmul_family(gen, device, monkeypatch):

@@ -1,7 +1,8 @@
 """Conformance of ``fused_linear_cross_entropy(hidden, weight, target, bias, ...)``: every
 variant, dtype and shape below, forward (the fp32 loss) and backward (dhidden, dweight,
 dbias), against the projection and torch's ``F.cross_entropy`` in float64. Shapes are
-"TxHxV"; most take several chunks of tokens (``chunk_rows``)."""
+"TxHxV"; calls of fewer than ``MIN_CHUNK_ROWS`` (64) tokens run in one chunk, the
+``chunks_`` shapes in several (``chunk_rows``)."""
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,9 @@ SUITE = KernelSuite(
     arg_names=("hidden", "weight", "target", "bias"),
     out_dtype=lambda dtype: torch.float32,
     shapes=(
-        Shape("12x32x100", size=(12, 32, 100), ignored=0.2, quick=True),     # 3 chunks of 4
+        Shape("12x32x100", size=(12, 32, 100), ignored=0.2, quick=True),
+        Shape("chunks_300x16x1100", size=(300, 16, 1100), bias=True, ignored=0.2,
+              quick=True),                                                   # 5 chunks of 64
         Shape("7x16x33", size=(7, 16, 33)),                                  # odd sizes
         Shape("one_chunk_6x64x40", size=(6, 64, 40)),                        # V < H: one chunk
         Shape("bias_12x32x100", size=(12, 32, 100), bias=True, quick=True),
