@@ -604,7 +604,7 @@ def flash_attn_with_kvcache_cases(host, device, quick: bool):
                             yield variant, name, launch
 def loss_cases(kernel: str):
     """cross_entropy's kernel in the pass combinations its launchers launch: for
-    cross_entropy its forward (pass 1) and backward (pass 2); for fused_linear_cross_entropy
+    cross_entropy its forward (pass 1, then the reduction's kernel) and backward (pass 2); for fused_linear_cross_entropy
     both passes in one launch with the bias, in place. Each with every option off and on,
     over a 50000-class vocabulary (the chunk loop)."""
     options = ({}, {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0})
@@ -631,6 +631,8 @@ def _loss_passes(kernel: str, plan, dtype, opts) -> None:
     rows, lse, one = torch.empty(8), torch.empty(8), torch.ones(())
     if kernel == "cross_entropy":
         cross_entropy.run(plan, logits, target, loss=rows, lse=lse, **opts)
+        if not opts:  # the reduction's kernel (it takes none of the options)
+            cross_entropy.reduce(plan, rows, target, -100, "mean")
         cross_entropy.run(plan, logits, target, lse=lse, grad=torch.empty_like(logits), scale=one,
                           **opts)
     else:

@@ -153,6 +153,29 @@ def _cross_entropy_kernel(
                      g.to(grad_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _reduce_kernel(loss_ptr, target_ptr, out_ptr, n_rows, stride_target, ignore_index,
+                   MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """The "sum" or "mean" (over counted rows) of the (T,) fp32 row losses, in one program:
+    one launch where torch's sum, compare, count and divide took four (a small call's host
+    time is its launches), and one summation order, so every call gives the same bits.
+    A mean over no counted row is 0 / 0 = NaN, as torch's."""
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), tl.float32)
+    count = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offs
+        mask = rows < n_rows
+        total += tl.load(loss_ptr + rows, mask=mask, other=0.0)
+        if MEAN:
+            t = tl.load(target_ptr + rows.to(tl.int64) * stride_target, mask=mask, other=ignore_index)
+            count += (t != ignore_index).to(tl.int32)
+    result = tl.sum(total, 0)
+    if MEAN:
+        result = result / tl.sum(count, 0).to(tl.float32)
+    tl.store(out_ptr, result)
+
+
 # --- host -----------------------------------------------------------------------------------
 
 class Problem(NamedTuple):
@@ -253,13 +276,21 @@ def run(plan, logits, target, *, loss=None, lse, grad=None, scale=None, bias=Non
         **_switches(label_smoothing, z_loss, softcap), **meta, **plan.switches)
 
 
-def reduce(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+#: Rows the reduction program adds per step.
+REDUCE_BLOCK = 1024
+
+
+def reduce(plan, rows: torch.Tensor, target: torch.Tensor, ignore_index: int,
+           reduction: str) -> torch.Tensor:
     """The (T,) fp32 row losses reduced as ``reduction`` says ("mean": over counted rows,
-    NaN for none, as torch)."""
+    NaN for none, as torch): a 0-d fp32 tensor from one launch of :func:`_reduce_kernel`."""
     if reduction == "none":
         return rows
-    total = rows.sum()
-    return total if reduction == "sum" else total / (target != ignore_index).sum()
+    out = torch.empty((), dtype=torch.float32, device=rows.device)
+    _host.launcher(plan, _reduce_kernel)[(1,)](
+        rows, target, out, rows.shape[0], target.stride(0) if target.dim() else 1, ignore_index,
+        MEAN=reduction == "mean", BLOCK=REDUCE_BLOCK, num_warps=4)
+    return out
 
 
 def upstream_scale(grad: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
@@ -278,7 +309,7 @@ def _forward(plan, logits, target, ignore_index, label_smoothing, z_loss, softca
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     run(plan, logits, target, loss=rows, lse=lse, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    return reduce(rows, target, ignore_index, reduction), lse
+    return reduce(plan, rows, target, ignore_index, reduction), lse
 
 
 def _backward(plan, grad, logits, target, lse, ignore_index, label_smoothing, z_loss, softcap,

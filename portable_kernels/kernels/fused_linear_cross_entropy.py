@@ -175,14 +175,14 @@ def forward(plan, hidden, weight, target, bias, options, needs=(True, True, True
     scale = cross_entropy.upstream_scale(torch.ones((), device=hidden.device), target,
                                          ignore_index, reduction)
     rows, *grads = _chunks(plan, hidden, weight, target, bias, options, scale=scale, needs=needs)
-    return (cross_entropy.reduce(rows, target, ignore_index, reduction), *grads)
+    return (cross_entropy.reduce(plan, rows, target, ignore_index, reduction), *grads)
 
 
 def loss_only(plan, hidden, weight, target, bias, options) -> torch.Tensor:
     """The reduced fp32 loss, no gradient computed."""
     ignore_index, *_, reduction = options
     rows = _chunks(plan, hidden, weight, target, bias, options)[0]
-    return cross_entropy.reduce(rows, target, ignore_index, reduction)
+    return cross_entropy.reduce(plan, rows, target, ignore_index, reduction)
 
 
 def backward(plan, grad, hidden, weight, target, bias, options, needs=(True, True, True)):
