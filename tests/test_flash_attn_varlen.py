@@ -217,6 +217,27 @@ def test_varlen_errors(mutate, message):
         pk.get_kernel("flash_attn_varlen")(**args)
 
 
+def test_varlen_call_seen_before_is_not_checked_again(monkeypatch):
+    """A serving loop repeats batch shapes: a call's checks run once per signature; one
+    differing in a scalar's type or value, or in an argument the checks reject, is checked
+    (and fails)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (_randn(20, 4, 16, gen=gen) for _ in range(3))
+    cu = _cu([7, 13])
+    call = pk.get_kernel("flash_attn_varlen")
+    call(q, k, v, cu, cu, 13, 13)
+    checks = []
+    real = varlen_family._problem
+    monkeypatch.setattr(varlen_family, "_problem", lambda *a: checks.append(a) or real(*a))
+    call(q, k, v, _cu([10, 10]), _cu([10, 10]), 13, 13)  # new lengths, same signature
+    assert checks == []
+    with pytest.raises(PortableKernelsError, match="causal"):
+        call(q, k, v, cu, cu, 13, 13, causal="yes")
+    with pytest.raises(PortableKernelsError, match="max_seqlen_q"):
+        call(q, k, v, cu, cu, -1, 13)
+    assert len(checks) == 2
+
+
 def test_varlen_value_checks_only_when_asked(monkeypatch):
     """cu_seqlens that decrease, or a max_seqlen below the longest sequence, need the values
     on the host: an error under PK_CHECK_VALUES=1, unchecked (no sync) otherwise."""

@@ -88,6 +88,47 @@ def check_values() -> bool:
     return os.environ.get("PK_CHECK_VALUES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+class CheckedCalls:
+    """The results of ``problem`` functions for call signatures already checked, so that a
+    loop repeating one call (a decode step, a serving batch) is checked once: a family's
+    checks can cost more host time than its launches. A signature is a tuple of
+    :func:`described` tensors and :func:`typed` scalars holding everything the checks
+    read; calls that fail are never stored. Cleared when full."""
+
+    __slots__ = ("seen", "limit")
+
+    def __init__(self, limit: int = 256) -> None:
+        self.seen: dict = {}
+        self.limit = limit
+
+    def get(self, key: Any) -> Any:
+        return None if key is None else self.seen.get(key)
+
+    def put(self, key: Any, value: Any) -> Any:
+        if key is not None:
+            if len(self.seen) >= self.limit:
+                self.seen.clear()
+            self.seen[key] = value
+        return value
+
+
+def described(t: Any, aligned: bool = True) -> tuple | None:
+    """A tensor argument as a signature holds it: shape, strides, dtype, device and, with
+    ``aligned`` (for checks that read it), whether its address is 16-byte aligned; None
+    for None. ``AttributeError`` for a non-tensor."""
+    if t is None:
+        return None
+    if aligned:
+        return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def typed(*values: Any) -> tuple:
+    """Scalars as a signature holds them: with their types, since ``1 == 1.0 == True``
+    would otherwise let a value the checks reject reuse an accepted call's entry."""
+    return tuple((type(x), x) for x in values)
+
+
 def check_aux(kernel: str, arg: str, t: Any, device: torch.device,
               dtype: torch.dtype | None = None) -> None:
     """An auxiliary tensor (lengths, tables, slopes, sinks): a tensor on the inputs'

@@ -61,7 +61,32 @@ def problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
             sm_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
             return_lse=False) -> flash_attn.Problem:
     """Check a ``flash_attn_varlen`` call and return its selection key (``flash_attn``'s,
-    for the (1, H, total, D) views the kernels see)."""
+    for the (1, H, total, D) views the kernels see). A call seen before (its signature:
+    shapes, strides, dtypes, devices, alignment, scalars) is not checked again; value
+    checks under ``PK_CHECK_VALUES=1`` run on every call."""
+    key = None
+    if alibi_slopes is None and sinks is None and type(window_size) is tuple and not _host.check_values():
+        try:
+            key = (_host.described(q), _host.described(k), _host.described(v),
+                   _host.described(cu_seqlens_q), _host.described(cu_seqlens_k),
+                   _host.typed(max_seqlen_q, max_seqlen_k, causal, sm_scale, softcap, return_lse),
+                   _host.typed(*window_size))
+        except (AttributeError, TypeError):  # check() below names the bad argument
+            key = None
+    seen = _CHECKED.get(key)
+    if seen is not None:
+        return seen
+    return _CHECKED.put(key, _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, causal, sm_scale, window_size, softcap,
+                                      alibi_slopes, sinks, return_lse))
+
+
+#: Problems of calls already checked (``problem``): a serving loop repeats batch shapes.
+_CHECKED = _host.CheckedCalls()
+
+
+def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+             sm_scale, window_size, softcap, alibi_slopes, sinks, return_lse) -> flash_attn.Problem:
     device = _host.same_device(NAME, q=q, k=k, v=v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _host.check_ndim(NAME, name, t, 3, "(total, H, D)")

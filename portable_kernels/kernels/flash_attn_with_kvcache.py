@@ -463,29 +463,25 @@ def _check_values(seqlens, const, n_new, capacity, block_table, page, num_blocks
 
 #: Problems of calls already checked, by :func:`_signature`: a decode loop repeats one
 #: call, whose checks cost more host time than its launches (8 of 24 µs of Python per call
-#: on the CPU machine). Cleared when full.
-_CHECKED: dict = {}
-_MAX_CHECKED = 256
-
-
-def _described(t) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+#: on the CPU machine).
+_CHECKED = _host.CheckedCalls()
 
 
 def _signature(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, sm_scale,
                window_size, softcap, alibi_slopes, sinks, num_splits, return_lse) -> tuple | None:
-    """Everything :func:`check` reads of a call (shapes, strides, dtypes, devices; scalars
-    with their types, since ``1 == True``), or None for a call not to memoise: with ALiBi
-    slopes or sinks (their options hold the tensors), or arguments check() must reject."""
+    """Everything :func:`check` reads of a call, or None for a call not to memoise: with
+    ALiBi slopes or sinks (their options hold the tensors), or arguments check() must
+    reject."""
     if alibi_slopes is not None or sinks is not None or type(window_size) is not tuple:
         return None
     try:
-        seqlens = (_described(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
-                   else (type(cache_seqlens), cache_seqlens))
-        return (_described(q), _described(k_cache), _described(v_cache), _described(k),
-                _described(v), seqlens, _described(block_table),
-                tuple((type(x), x) for x in (causal, sm_scale, softcap, num_splits, return_lse)),
-                tuple((type(x), x) for x in window_size))
+        described = _host.described  # no alignment: check() reads none
+        seqlens = (described(cache_seqlens, False) if isinstance(cache_seqlens, torch.Tensor)
+                   else _host.typed(cache_seqlens))
+        return (described(q, False), described(k_cache, False), described(v_cache, False),
+                described(k, False), described(v, False), seqlens, described(block_table, False),
+                _host.typed(causal, sm_scale, softcap, num_splits, return_lse),
+                _host.typed(*window_size))
     except (AttributeError, TypeError):  # not tensors, or unhashable: check() says what
         return None
 
@@ -498,21 +494,15 @@ def problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table
     args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, sm_scale,
             window_size, softcap, alibi_slopes, sinks, num_splits, return_lse)
     key = None if _host.check_values() else _signature(*args)
-    if key is not None:
-        seen = _CHECKED.get(key)
-        if seen is not None:
-            return seen
+    seen = _CHECKED.get(key)
+    if seen is not None:
+        return seen
     c = check(*args)
     o = c.options
     words = ",".join(w for w, on in (("window", o.window), ("softcap", o.softcap2 > 0),
                                       ("alibi", o.alibi is not None),
                                       ("sinks", o.sinks is not None)) if on)
-    result = Problem(q.device, q.dtype, q.shape[-1], c.paged, words)
-    if key is not None:
-        if len(_CHECKED) >= _MAX_CHECKED:
-            _CHECKED.clear()
-        _CHECKED[key] = result
-    return result
+    return _CHECKED.put(key, Problem(q.device, q.dtype, q.shape[-1], c.paged, words))
 
 
 def pick_splits(programs: int, key_blocks: int, num_sms: int) -> int:
