@@ -21,6 +21,7 @@ import torch
 import portable_kernels as pk
 from portable_kernels import testing
 from portable_kernels.conformance.harness import Inputs
+from portable_kernels.conformance.harness import _flatten as _flat  # the suites' own flattening
 
 from conftest import DEVICE, ON_CPU
 
@@ -44,12 +45,6 @@ def _families() -> list[str]:
 
 def _suite(name: str):
     return importlib.import_module(f"portable_kernels.conformance.test_{name}").SUITE
-
-
-def _flat(value) -> list:
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat(v)]
-    return [value]
 
 
 def _size(inputs: Inputs) -> int:

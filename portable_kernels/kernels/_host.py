@@ -101,11 +101,14 @@ class CheckedCalls:
         self.seen: dict = {}
         self.limit = limit
 
-    def get(self, key: Any) -> Any:
-        return None if key is None else self.seen.get(key)
-
-    def put(self, key: Any, value: Any) -> Any:
-        if key is not None:
+    def lookup(self, key: Any, build: Callable[..., Any], *args: Any) -> Any:
+        """The problem kept for signature ``key``; else ``build(*args)`` (the checks, which
+        raise for a bad call), kept unless ``key`` is None (a call not to memoise)."""
+        if key is None:
+            return build(*args)
+        value = self.seen.get(key)
+        if value is None:
+            value = build(*args)
             if len(self.seen) >= self.limit:
                 self.seen.clear()
             self.seen[key] = value

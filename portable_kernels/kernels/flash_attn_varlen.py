@@ -64,21 +64,26 @@ def problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     for the (1, H, total, D) views the kernels see). A call seen before (its signature:
     shapes, strides, dtypes, devices, alignment, scalars) is not checked again; value
     checks under ``PK_CHECK_VALUES=1`` run on every call."""
-    key = None
-    if alibi_slopes is None and sinks is None and type(window_size) is tuple and not _host.check_values():
-        try:
-            key = (_host.described(q), _host.described(k), _host.described(v),
-                   _host.described(cu_seqlens_q), _host.described(cu_seqlens_k),
-                   _host.typed(max_seqlen_q, max_seqlen_k, causal, sm_scale, softcap, return_lse),
-                   _host.typed(*window_size))
-        except (AttributeError, TypeError):  # check() below names the bad argument
-            key = None
-    seen = _CHECKED.get(key)
-    if seen is not None:
-        return seen
-    return _CHECKED.put(key, _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, causal, sm_scale, window_size, softcap,
-                                      alibi_slopes, sinks, return_lse))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sm_scale,
+            window_size, softcap, alibi_slopes, sinks, return_lse)
+    return _CHECKED.lookup(None if _host.check_values() else _signature(*args), _problem, *args)
+
+
+def _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+               sm_scale, window_size, softcap, alibi_slopes, sinks, return_lse) -> tuple | None:
+    """Everything :func:`_problem` reads of a call (with the tensors' alignment: the
+    selection key reads it), or None for a call not to memoise (ALiBi slopes or sinks,
+    whose options hold the tensors; arguments the checks must reject)."""
+    if alibi_slopes is not None or sinks is not None or type(window_size) is not tuple:
+        return None
+    try:
+        described = _host.described
+        return (described(q), described(k), described(v), described(cu_seqlens_q),
+                described(cu_seqlens_k),
+                _host.typed(max_seqlen_q, max_seqlen_k, causal, sm_scale, softcap, return_lse),
+                _host.typed(*window_size))
+    except (AttributeError, TypeError):  # _problem names the bad argument
+        return None
 
 
 #: Problems of calls already checked (``problem``): a serving loop repeats batch shapes.
