@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: install, run the test suite compiled, run the benchmarks, and
 # leave logs and JSON under $OUT (or ./gpu-out). Prints a short summary last.
-#   bash bench/gpu_run.sh [tests|large|serial|bench|all|memcheck] [extra pytest args...]
-# tests: the suite without the large-tensor tests, in 8 pytest-xdist workers (about 3 minutes
-#   on the H200); large: tests/test_large.py alone, one process (each test holds tens of GB);
+#   bash bench/gpu_run.sh [tests|fuzz|large|serial|bench|all|memcheck] [extra pytest args...]
+# tests: the suite without the large-tensor tests and the fuzzer, in 16 pytest-xdist workers
+#   (the whole suite in one go outlasts a 10-minute device call on a 16-core host); fuzz:
+#   tests/test_fuzz.py alone, likewise (it compiles a new shape per example);
+# large: tests/test_large.py alone, one process (each test holds tens of GB);
 #   serial: the given test files (default: all) in one process, as a user's plain `pytest`
 #   runs them, which catches state one test leaves for the next;
 # memcheck: the kernel tests under compute-sanitizer (ci/memcheck-cuda.sh; minutes), alone.
@@ -24,7 +26,10 @@ run_pytest() {  # name, pytest arguments...
   grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -20
 }
 if [[ $what == tests || $what == all ]]; then
-  run_pytest pytest tests -n 8 -m "not large" "$@"
+  run_pytest pytest tests -n 16 -m "not large" --ignore tests/test_fuzz.py "$@"
+fi
+if [[ $what == fuzz || $what == all ]]; then
+  run_pytest fuzz tests/test_fuzz.py -n 16 "$@"
 fi
 if [[ $what == large ]]; then
   run_pytest large tests/test_large.py -m large --durations 20 "$@"
