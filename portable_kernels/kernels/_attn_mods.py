@@ -216,8 +216,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     q (B, H, Nq, D), k/v (B, H_kv, Nk, D) with H % H_kv == 0; ``diag`` the alignment
     (0: top-left, Nk - Nq: bottom-right). Returns ``(out (B, H, Nq, D), lse (B, H, Nq))`` in
-    float64, differentiable in q, k, v and sinks; rows that see no key give zeros and an LSE of
-    -inf (the sink's logit with sinks)."""
+    float64 on q's device (the options are moved there: a test may keep its oracle's inputs on
+    the CPU and the call's on a GPU), differentiable in q, k, v and sinks; rows that see no
+    key give zeros and an LSE of -inf (the sink's logit with sinks)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -231,7 +232,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     rel = (torch.arange(n_k, device=q.device)[None, :]
            - torch.arange(n_q, device=q.device)[:, None] - diag)
     if alibi_slopes is not None:
-        slopes = alibi_slopes.double().expand(b, h)
+        slopes = alibi_slopes.to(q.device, torch.float64).expand(b, h)
         s = s - slopes[:, :, None, None] * rel.abs()
     left, right = window_size
     if causal:
@@ -243,7 +244,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         ok &= rel <= right
     s = s.masked_fill(~ok, -math.inf)
     if sinks is not None:
-        sink = sinks.double()[None, :, None, None].expand(b, h, n_q, 1)
+        sink = sinks.to(q.device, torch.float64)[None, :, None, None].expand(b, h, n_q, 1)
         lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
     else:
         lse = torch.logsumexp(s, dim=-1)
