@@ -494,8 +494,12 @@ def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: flo
     )
     dw = torch.empty_like(weight)
     db = dw if rms else torch.empty_like(weight)
-    block_g = min(_host.next_power_of_2(n_groups), 32)
-    block_c = max(1, min(block_n, plan.config.kwargs["TILE"] // block_g))
+    # Column blocks narrow enough for about two programs per multiprocessor: 4096 columns
+    # in 128-wide blocks left 32 programs to sum 528 partial rows of dweight and dbias
+    # (31.5 µs on an H100, 14.9 in 16-wide blocks, against 157 µs for the dx kernel).
+    per_program = _host.cdiv(n_cols, 2 * max(1, plan.device.num_sms))
+    block_c = min(block_n, max(16, _host.next_power_of_2(per_program)))
+    block_g = max(1, min(_host.next_power_of_2(n_groups), plan.config.kwargs["TILE"] // block_c))
     plan.direct(_layer_norm_bwd_dwdb_kernel)[(_host.cdiv(n_cols, block_c),)](
         dw_part, db_part, dw, db, n_groups, n_cols,
         BLOCK_G=block_g, BLOCK_N=block_c, RMS=rms,
