@@ -1,6 +1,8 @@
 """Eager calls on small inputs, where the host's launch path, not the GPU, sets the pace:
 µs per call of each family, ours with direct launches (the default on NVIDIA GPUs, see
-``portable_kernels/_direct.py``), ours through Triton's JIT launch (``PK_DIRECT_LAUNCH=0``),
+``portable_kernels/_direct.py``) through the NVIDIA backend's C launcher, the same through
+each binary's Triton launcher (``PK_C_LAUNCHER=0``), ours through Triton's JIT launch
+(``PK_DIRECT_LAUNCH=0``),
 torch's own operator on the same inputs, and the peer Triton libraries' (FlagGems,
 Liger-Kernel: ``bench/_peers.py``) where installed and where they have the call. The rows
 are the small calls of a decode loop or a small batch, one or more per family: an add, a
@@ -9,8 +11,8 @@ softmax, the norms, gated activations, rotary embedding and asin on 8 rows of 40
 write, short attention (fixed and variable length), the losses on 8 tokens, dropout, a
 grouped product of 8 experts, and two backwards.
 
-One process runs both settings, alternating over ``--rounds``. Plans decide on direct
-launches when they are built, so each pass sets ``PK_DIRECT_LAUNCH`` and drops the plans
+One process runs the three settings, alternating over ``--rounds``. Plans decide on direct
+launches when they are built, so each pass sets the variables and drops the plans
 (``PluginHost.clear_caches``); the new plans take their tuned configs from the tuning cache
 and Triton's compiled kernels from its in-memory cache. (An earlier version ran a process
 per setting; this host's speed differed between processes by up to 2x, more than the effect
@@ -44,7 +46,11 @@ import _peers
 import layers
 
 F = torch.nn.functional
-SETTINGS = {"direct": "1", "jit": "0"}
+#: Each pass's environment: direct launches through the backend's C launcher (the default),
+#: through the binary's Triton launcher, and Triton's JIT launch.
+SETTINGS = {"direct": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "1"},
+            "triton_launcher": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "0"},
+            "jit": {"PK_DIRECT_LAUNCH": "0", "PK_C_LAUNCHER": "1"}}
 
 
 def _rand(*shape: int, dtype: torch.dtype = torch.float16, grad: bool = False) -> torch.Tensor:
@@ -185,21 +191,22 @@ def _time(fn, iters: int) -> float:
         return _common.per_call_us(call, iters)
 
 
-def measure(iters: int, flag: str) -> dict:
-    """µs per call of every case with ``PK_DIRECT_LAUNCH=flag``, on plans built afresh.
-    The variable and the plans are put back afterwards: plans built under the flag would
-    keep its setting for every later call in the process."""
-    before = os.environ.get("PK_DIRECT_LAUNCH")
-    os.environ["PK_DIRECT_LAUNCH"] = flag
+def measure(iters: int, env: dict) -> dict:
+    """µs per call of every case with the variables ``env``, on plans built afresh. The
+    variables and the plans are put back afterwards: plans built under a setting would keep
+    it for every later call in the process."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     plugins.host().clear_caches()
     try:
         return {name: {impl: _time(fn, iters) for impl, fn in impls.items()}
                 for name, impls in cases().items()}
     finally:
-        if before is None:
-            os.environ.pop("PK_DIRECT_LAUNCH", None)
-        else:
-            os.environ["PK_DIRECT_LAUNCH"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         plugins.host().clear_caches()
 
 
@@ -215,8 +222,8 @@ def main() -> None:
     info = _common.nvidia_gpu("bench/host_per_call.py", "against torch's operators", "tests/test_direct.py")
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     for r in range(args.rounds):
-        for setting, flag in SETTINGS.items():
-            runs[setting].append(measure(args.iters, flag))
+        for setting, env in SETTINGS.items():
+            runs[setting].append(measure(args.iters, env))
             print(f"round {r + 1}/{args.rounds}: {setting} done", flush=True)
     rows = []
     for name in runs["direct"][0]:
@@ -232,14 +239,16 @@ def main() -> None:
     header = (_common.header("eager host time per call", info, False).replace(" · median of do_bench", "")
               + f" · one process, median of {args.rounds} rounds")
     lines = [header, "", "µs per call (a call costs the larger of its host and device time)", "",
-             "| case | ours | ours, JIT launches | torch | FlagGems | Liger | ours / torch |",
-             "|:--|--:|--:|--:|--:|--:|--:|"]
+             "| case | ours | ours, Triton's launcher | ours, JIT launches | torch | FlagGems | Liger "
+             "| ours / torch |",
+             "|:--|--:|--:|--:|--:|--:|--:|--:|"]
 
     def fmt(value):
         return "-" if value is None else f"{value:.1f}"
 
     for r in rows:
-        lines.append(f"| {r['case']} | {r['direct']:.1f} | {r['jit']:.1f} | {fmt(r['torch'])} | "
+        lines.append(f"| {r['case']} | {r['direct']:.1f} | {r['triton_launcher']:.1f} | {r['jit']:.1f} | "
+                     f"{fmt(r['torch'])} | "
                      f"{fmt(r['flaggems'])} | {fmt(r['liger'])} | {r['direct'] / r['torch']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)

@@ -289,7 +289,9 @@ def _launch_plan(selection: Selection) -> LaunchPlan:
         switches = dict(variant.switches)
         switches.update(host.call("pk_variant_switches", firstresult=True,
                                   kernel=variant.kernel, variant=variant, device=device) or {})
-        plan = host.launch_plans[key] = LaunchPlan(variant, device, configs or [], switches)
+        binary = host.call("pk_binary_launcher", firstresult=True, device=device)
+        plan = host.launch_plans[key] = LaunchPlan(variant, device, configs or [], switches,
+                                                   binary_launcher=binary)
     return plan
 
 

@@ -21,7 +21,7 @@ Hooks are called in this order: once per process ``pk_runtime_setup``, then
 ``pk_register_variants`` and ``pk_emulation_profiles``; then, on demand,
 ``pk_detect_device`` (once per device), and ``pk_tuning_configs`` and
 ``pk_variant_switches`` (once per kernel, variant and device, when a variant is first
-launched there). The conformance suite also calls ``pk_expected_failures`` (once per run).
+launched there) and ``pk_binary_launcher`` (with them). The conformance suite also calls ``pk_expected_failures`` (once per run).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from typing import Any, Callable
+
     import torch
     import triton
 
@@ -139,6 +141,33 @@ def pk_variant_switches(kernel: str, variant: "Variant", device: "DeviceInfo") -
     :return: a dict of constexpr names to values, or ``None``.
 
     Implemented by: the CPU backend.
+    """
+
+
+@hookspec(firstresult=True)
+def pk_binary_launcher(device: "DeviceInfo") -> "Callable[[Any], Callable | None] | None":
+    """Offer a faster launcher for the compiled kernels the core launches directly.
+
+    Where the core skips Triton's per-call JIT dispatch (``portable_kernels/_direct.py``:
+    NVIDIA GPUs under a verified Triton), it keeps each binary Triton compiled and launches
+    it itself, by default through the binary's own Triton launcher. A backend that can
+    launch with less host work answers here with a function ``make(kernel, guards)``: given
+    a Triton ``CompiledKernel`` whose binary is loaded on the current device, it returns
+    ``launch(grid_x, grid_y, grid_z, stream, *args)`` (``args``: every kernel parameter in
+    order, constexprs included, as Triton's launcher takes them) or ``None`` to keep
+    Triton's launcher for that kernel. ``guards`` holds a ``(dtype, aligned)`` pair per
+    leading tensor argument (``aligned``: its address is a multiple of 16 bytes), what
+    Triton compiled the binary for: ``launch`` checks them on every call and returns
+    ``False`` without launching where one does not hold, ``True`` once launched (the core
+    then looks the call's binary up itself). ``make`` runs once per binary, never per call.
+
+    Called once per kernel, variant and device, with ``pk_tuning_configs``; first
+    non-``None`` wins.
+
+    :return: ``make``, or ``None``.
+
+    Implemented by: the NVIDIA backend (``launcher.c``: argument packing and
+    ``cuLaunchKernel``, under Triton 3.6).
     """
 
 

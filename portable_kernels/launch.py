@@ -142,9 +142,12 @@ class LaunchPlan:
         configs: the ``triton.Config`` list for this variant on this device.
         switches: the constexpr switches to pass to the family's kernels.
         launch: ``variant.launch``, bound here so that the hot path is one attribute read.
+        binary_launcher: the backend's ``pk_binary_launcher`` answer for the device (``make``
+            of a compiled kernel), used by direct launches; ``None`` keeps Triton's launcher.
     """
 
-    __slots__ = ("variant", "device", "configs", "switches", "launch", "_tuned", "_chosen", "_lock")
+    __slots__ = ("variant", "device", "configs", "switches", "launch", "binary_launcher",
+                 "_tuned", "_chosen", "_lock")
 
     def __init__(
         self,
@@ -152,8 +155,10 @@ class LaunchPlan:
         device: DeviceInfo,
         configs: Sequence[triton.Config],
         switches: Mapping[str, Any],
+        binary_launcher: Callable[[Any], Any] | None = None,
     ) -> None:
         self.variant = variant
+        self.binary_launcher = binary_launcher
         self.device = device
         self.configs = list(configs)
         self.switches = dict(switches)
@@ -235,8 +240,8 @@ class LaunchPlan:
         tuned[grid](*args, **kwargs)
         config = getattr(tuned, "best_config", None)
         if config is not None and config.pre_hook is None:
-            self._chosen[(tuned, problem_key)] = _direct.DirectLaunch(tuned.fn, config.all_kwargs(),
-                                                                      self._direct_launches())
+            self._chosen[(tuned, problem_key)] = _direct.DirectLaunch(
+                tuned.fn, config.all_kwargs(), self._direct_launches(), self.binary_launcher)
 
     def direct(self, fn: Any) -> _direct.DirectLaunch:
         """``fn`` (a ``@triton.jit`` kernel) for launchers that pass its config themselves:
@@ -244,7 +249,8 @@ class LaunchPlan:
         on NVIDIA GPUs reuses each binary Triton compiled for a call (see ``_direct``)."""
         launcher = self._tuned.get(("direct", fn))
         if launcher is None:
-            launcher = self._tuned[("direct", fn)] = _direct.DirectLaunch(fn, {}, self._direct_launches())
+            launcher = self._tuned[("direct", fn)] = _direct.DirectLaunch(
+                fn, {}, self._direct_launches(), self.binary_launcher)
         return launcher
 
     def _direct_launches(self) -> bool:

@@ -107,6 +107,10 @@ def _profiles(answer: Any) -> str | None:
     return None
 
 
+def _binary_launcher(answer: Any) -> str | None:
+    return None if callable(answer) else f"returned {_kind(answer)}; it should return a function of a compiled kernel, or None"
+
+
 #: hook name -> check of a non-None answer (a message saying what is wrong, or None). A bad
 #: answer would otherwise fail later, far from the plugin, in every kernel that meets it.
 VALIDATORS: dict[str, Callable[[Any], str | None]] = {
@@ -115,6 +119,7 @@ VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "pk_variant_switches": _switches,
     "pk_expected_failures": _expected_failures,
     "pk_emulation_profiles": _profiles,
+    "pk_binary_launcher": _binary_launcher,
 }
 
 

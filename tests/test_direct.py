@@ -79,6 +79,62 @@ def test_seen_calls_launch_the_binary(cuda_stand_ins):
     assert fn.binary.runs == [(4, 1, 1, 1000, "function", "packed", None, None, None, x, y, 8, 0.5, 64, True)]
 
 
+@pytest.mark.parametrize("answer", ["a launcher", "None", "raises"])
+def test_a_backends_binary_launcher_launches_seen_calls(cuda_stand_ins, answer, caplog):
+    """The backend's ``pk_binary_launcher`` answer makes, once per binary, the launcher a
+    seen call goes through, with the grid, the stream and every parameter; where it answers
+    None or fails (logged), the binary's Triton launcher stays."""
+    fn = _Jit()
+    launched, made = [], []
+
+    def make(kernel, guards):
+        made.append((kernel, guards))
+        if answer == "raises":
+            raise RuntimeError("no driver here")
+        return None if answer == "None" else lambda *args: launched.append(args) or True
+
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True, binary=make)
+    x, y = _tensors()
+    for _ in range(3):
+        launch(_grid, (x, y, 8, 0.5), {})
+    guards = ((torch.float16, True), (torch.float16, True))
+    assert len(fn.calls) == 1 and launch.launches == 2 and made == [(fn.binary, guards)]
+    if answer == "a launcher":
+        assert launched == [(4, 1, 1, 1000, x, y, 8, 0.5, 64, True)] * 2 and not fn.binary.runs
+    else:
+        assert not launched and len(fn.binary.runs) == 2
+    assert ("the backend's launcher failed" in caplog.text) == (answer == "raises")
+    off = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=False, binary=make)
+    assert off.binary is None  # direct launches off: nothing to launch with it
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype"])
+def test_a_guard_that_fails_takes_the_full_key(cuda_stand_ins, change):
+    """Seen calls are looked up by device, scalars and keywords, the backend's launcher
+    checking the tensors' dtypes and alignment: where they differ from its binary's it
+    launches nothing, and the call finds (or compiles) its own binary by the full key."""
+    fn = _Jit()
+    launched = []
+
+    def make(kernel, guards):
+        def launch(*args):
+            if any((t.dtype, t.data_ptr() % 16 == 0) != g for t, g in zip(args[4:], guards)):
+                return False
+            launched.append((guards, args[4]))
+            return True
+        return launch
+
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True, binary=make)
+    x, y = _tensors()
+    other = _tensors(offset=1)[0] if change == "alignment" else x.float()
+    for args in [(x, y, 8, 0.5)] * 2 + [(other, y, 8, 0.5)] * 3 + [(x, y, 8, 0.5)]:
+        launch(_grid, args, {})
+    # x: compiled, then launched; other: compiled, then twice by the full key; x again.
+    assert len(fn.calls) == 2 and launch.launches == 4 and len(launch.entries) == 2
+    assert [a is other for _, a in launched] == [False, True, True, False]
+    assert len(launch.guarded) == 1  # the first entry of the (device, scalars, keywords) key
+
+
 @pytest.mark.parametrize("change", ["alignment", "scalar", "keyword", "dtype"])
 def test_calls_that_may_select_another_binary_take_the_jit_path(cuda_stand_ins, change):
     fn = _Jit()

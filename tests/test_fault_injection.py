@@ -59,7 +59,7 @@ def _assert_probe_works():
 
 @pytest.mark.parametrize("hook", [
     "pk_detect_device", "pk_register_variants", "pk_tuning_configs", "pk_variant_switches",
-    "pk_emulation_profiles",
+    "pk_emulation_profiles", "pk_binary_launcher",
 ])
 def test_a_hook_that_raises_fails_its_plugin_only(fresh_host, hook):
     host = fresh_host(FakeBackend(), _plugin("faulty", hook, _raise), autoload=False, catalog=False)
@@ -91,6 +91,7 @@ def test_a_hook_that_raises_is_asked_no_more(fresh_host):
     ("pk_variant_switches", lambda: "FAST", ("pk_variant_switches returned str", "dict")),
     ("pk_variant_switches", lambda: {1: True}, ("int", "str")),
     ("pk_emulation_profiles", lambda: ["h100"], ("pk_emulation_profiles returned list", "dict")),
+    ("pk_binary_launcher", lambda: "cuLaunchKernel", ("pk_binary_launcher returned str", "function")),
     ("pk_emulation_profiles", lambda: {"fk9": "Fake 9"}, ("'fk9'", "str", "DeviceInfo")),
 ])
 def test_a_hook_answering_the_wrong_type_fails_its_plugin(fresh_host, hook, answer, words):

@@ -9,6 +9,9 @@ Triton's warp specialization has a schedule (9.x and 10.x). Consumer Blackwell (
 50xx) has TMA and fp8 but neither wgmma nor tcgen05: ``tl.dot`` lowers to ``mma.sync`` there,
 as on Ampere and Ada.
 
+Direct launches (the core's ``_direct``) go through ``launcher.c`` (``launcher.py`` says
+what it leaves out of Triton's launcher and why), offered by ``pk_binary_launcher``.
+
 Emulation profiles: ``a100``, ``l40s``, ``h100``, ``h200``, ``b200``, ``rtx5090``.
 
 ``nvidia.hopper_gluon`` ranks above ``nvidia.hopper`` (flash_attn) and
@@ -53,7 +56,7 @@ def capabilities(major: int, minor: int) -> frozenset[str]:
 
 #: Architectures this backend's kernels have executed on, and how (the rest of
 #: ci/compile_matrix.py's targets are compiled for, not run).
-RUN_ON = {"sm_90": "run: the test suite, the conformance suite and the benchmarks on an H200"}
+RUN_ON = {"sm_90": "run: the test suite, the conformance suite and the benchmarks on an H200 and an H100"}
 COMPILED_FOR = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
@@ -108,6 +111,17 @@ def pk_tuning_configs(kernel, variant, device):
     if device.vendor != VENDOR:
         return None
     return tuning.configs(kernel, variant.name, device)
+
+
+@hookimpl
+def pk_binary_launcher(device):
+    # Only for devices this backend detected: emulated profiles never execute here, and a
+    # device another backend claimed keeps that backend's answer.
+    if device.vendor != VENDOR or "interpreter" in device.capabilities:
+        return None
+    from . import launcher
+
+    return launcher.make if launcher.available() else None
 
 
 def _tma_priority(device: DeviceInfo) -> int:

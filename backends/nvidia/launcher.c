@@ -1,0 +1,381 @@
+/* A launcher for one compiled Triton kernel: argument packing and cuLaunchKernel, nothing
+ * else (see launcher.py for what it leaves out and why that is safe there).
+ *
+ * Launcher(function, device, block_x, shared_bytes, kinds, guards) makes one (device: the
+ * ordinal the binary is loaded on); calling it as
+ * launcher(grid_x, grid_y, grid_z, stream, *args) launches and returns True, where args are
+ * every parameter of the kernel in order (constexprs included, as Triton's own launcher
+ * takes them). guards holds a (dtype, aligned) pair for each of the leading tensor
+ * arguments the binary was compiled for: where one's dtype is another object or its
+ * address's 16-byte alignment differs, the call launches nothing and returns False (the
+ * caller then finds the binary for it). kinds holds one character per parameter:
+ *   'P' pointer: a tensor (its data_ptr()), an int, or None (null)
+ *   'b' int8/bool  'h' int16  'i' int32  'l' int64  'B' uint8  'H' uint16  'I' uint32
+ *   'L' uint64  'e' fp16  'E' bf16  'f' fp32  'd' fp64  'C' constexpr (not passed)
+ * Two null pointers follow the kernel's own parameters: the global and profile scratch
+ * buffers Triton 3.6 appends to every kernel (launcher.py declines kernels that use them).
+ *
+ * libcuda is opened at the first launch, not at import, so the module loads (and its
+ * packing can be tested through pack()) where no driver is installed.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_PARAMS 256
+
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                         unsigned by, unsigned bz, unsigned shared, void *stream,
+                         void **params, void **extra);
+typedef int (*ctx_get_fn)(void **ctx);
+typedef int (*ctx_set_fn)(void *ctx);
+typedef int (*device_get_fn)(int *device, int ordinal);
+typedef int (*primary_retain_fn)(void **ctx, int device);
+typedef int (*error_string_fn)(int code, const char **text);
+
+static launch_fn cu_launch = NULL;
+static ctx_get_fn cu_ctx_get_current = NULL;
+static ctx_set_fn cu_ctx_set_current = NULL;
+static device_get_fn cu_device_get = NULL;
+static primary_retain_fn cu_primary_ctx_retain = NULL;
+static error_string_fn cu_get_error_string = NULL;
+static PyObject *data_ptr_name = NULL;
+static PyObject *dtype_name = NULL;
+
+static int load_driver(void) {
+  if (cu_launch != NULL)
+    return 0;
+  void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (lib == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "portable_kernels launcher: cannot open libcuda.so.1");
+    return -1;
+  }
+  cu_ctx_get_current = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
+  cu_get_error_string = (error_string_fn)dlsym(lib, "cuGetErrorString");
+  cu_ctx_set_current = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
+  cu_device_get = (device_get_fn)dlsym(lib, "cuDeviceGet");
+  cu_primary_ctx_retain = (primary_retain_fn)dlsym(lib, "cuDevicePrimaryCtxRetain");
+  launch_fn launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
+  if (launch == NULL || cu_ctx_get_current == NULL || cu_get_error_string == NULL ||
+      cu_ctx_set_current == NULL || cu_device_get == NULL || cu_primary_ctx_retain == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "portable_kernels launcher: libcuda.so.1 lacks cuLaunchKernel");
+    return -1;
+  }
+  cu_launch = launch;
+  return 0;
+}
+
+typedef union {
+  uint64_t u64;
+  int64_t i64;
+  uint32_t u32;
+  int32_t i32;
+  uint16_t u16;
+  int16_t i16;
+  uint8_t u8;
+  int8_t i8;
+  float f32;
+  double f64;
+} Slot;
+
+typedef struct {
+  PyObject_HEAD
+  void *function;
+  unsigned block_x;
+  unsigned shared;
+  int device;  /* the ordinal the binary is loaded on */
+  Py_ssize_t n_args;
+  char kinds[MAX_PARAMS];
+  Py_ssize_t n_guards;
+  PyObject *dtypes[MAX_PARAMS];  /* owned references */
+  char aligned[MAX_PARAMS];
+  vectorcallfunc vectorcall;
+} Launcher;
+
+/* Whether args[i] is of the dtype and alignment the binary was compiled for; -1 on error. */
+static int guard_holds(const Launcher *self, Py_ssize_t i, PyObject *obj, uint64_t ptr) {
+  PyObject *dtype = PyObject_GetAttr(obj, dtype_name);
+  if (dtype == NULL) {
+    PyErr_Clear();  /* not a tensor where the binary had one: not this binary's call */
+    return 0;
+  }
+  int same = dtype == self->dtypes[i];
+  Py_DECREF(dtype);
+  return same && ((ptr % 16 == 0) == self->aligned[i]);
+}
+
+static int pack_int(PyObject *obj, char kind, Slot *slot, Py_ssize_t index) {
+  if (kind == 'L' || kind == 'P') {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+      return -1;
+    slot->u64 = v;
+    return 0;
+  }
+  long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred())
+    return -1;
+  long long lo, hi;
+  switch (kind) {
+    case 'b': lo = INT8_MIN; hi = INT8_MAX; slot->i8 = (int8_t)v; break;
+    case 'h': lo = INT16_MIN; hi = INT16_MAX; slot->i16 = (int16_t)v; break;
+    case 'i': lo = INT32_MIN; hi = INT32_MAX; slot->i32 = (int32_t)v; break;
+    case 'B': lo = 0; hi = UINT8_MAX; slot->u8 = (uint8_t)v; break;
+    case 'H': lo = 0; hi = UINT16_MAX; slot->u16 = (uint16_t)v; break;
+    case 'I': lo = 0; hi = UINT32_MAX; slot->u32 = (uint32_t)v; break;
+    default: slot->i64 = v; return 0;  /* 'l' */
+  }
+  if (v < lo || v > hi) {
+    PyErr_Format(PyExc_OverflowError, "argument %zd: %lld does not fit its kernel parameter", index, v);
+    return -1;
+  }
+  return 0;
+}
+
+/* Fills slots/params from args; returns the number of parameters, -1 with an error set, or
+ * -2 where a guard of self (may be NULL) does not hold. */
+static Py_ssize_t pack(const Launcher *self, const char *kinds, Py_ssize_t n_args,
+                       PyObject *const *args, Slot *slots, void **params) {
+  Py_ssize_t n = 0;
+  for (Py_ssize_t i = 0; i < n_args; ++i) {
+    char kind = kinds[i];
+    PyObject *obj = args[i];
+    Slot *slot = &slots[n];
+    if (kind == 'C')
+      continue;
+    if (kind == 'P') {
+      if (obj == Py_None) {
+        slot->u64 = 0;
+      } else if (PyLong_Check(obj)) {
+        if (pack_int(obj, 'P', slot, i) < 0)
+          return -1;
+      } else {
+        PyObject *ptr = PyObject_CallMethodNoArgs(obj, data_ptr_name);
+        if (ptr == NULL)
+          return -1;
+        int rc = pack_int(ptr, 'P', slot, i);
+        Py_DECREF(ptr);
+        if (rc < 0)
+          return -1;
+      }
+      if (self != NULL && i < self->n_guards) {
+        int holds = guard_holds(self, i, obj, slot->u64);
+        if (holds <= 0)
+          return holds < 0 ? -1 : -2;
+      }
+    } else if (kind == 'e' || kind == 'E' || kind == 'f' || kind == 'd') {
+      double v = PyFloat_AsDouble(obj);
+      if (v == -1.0 && PyErr_Occurred())
+        return -1;
+      if (kind == 'd') {
+        slot->f64 = v;
+      } else if (kind == 'f') {
+        slot->f32 = (float)v;
+      } else if (kind == 'E') {  /* bf16: the top half of the fp32 bits, as Triton packs it */
+        float f = (float)v;
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        slot->u16 = (uint16_t)(bits >> 16);
+#if PY_VERSION_HEX < 0x030B0000
+      } else if (_PyFloat_Pack2(v, (unsigned char *)&slot->u16, 1) < 0) {
+#else
+      } else if (PyFloat_Pack2(v, (char *)&slot->u16, 1) < 0) {
+#endif
+        return -1;
+      }
+    } else if (pack_int(obj, kind, slot, i) < 0) {
+      return -1;
+    }
+    params[n] = slot;
+    ++n;
+  }
+  /* Triton 3.6's global and profile scratch pointers, null. */
+  slots[n].u64 = 0;
+  params[n] = &slots[n];
+  slots[n + 1].u64 = 0;
+  params[n + 1] = &slots[n + 1];
+  return n + 2;
+}
+
+static PyObject *launcher_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                     PyObject *kwnames) {
+  Launcher *self = (Launcher *)callable;
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+    PyErr_SetString(PyExc_TypeError, "Launcher takes no keyword arguments");
+    return NULL;
+  }
+  if (nargs != self->n_args + 4) {
+    PyErr_Format(PyExc_TypeError, "Launcher takes %zd arguments (grid x, y, z, stream, then %zd "
+                 "kernel arguments), got %zd", self->n_args + 4, self->n_args, nargs);
+    return NULL;
+  }
+  unsigned grid[3];
+  for (int d = 0; d < 3; ++d) {
+    unsigned long v = PyLong_AsUnsignedLong(args[d]);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+      return NULL;
+    grid[d] = (unsigned)v;
+  }
+  void *stream = PyLong_AsVoidPtr(args[3]);
+  if (stream == NULL && PyErr_Occurred())
+    return NULL;
+  Slot slots[MAX_PARAMS + 2];
+  void *params[MAX_PARAMS + 2];
+  Py_ssize_t packed = pack(self, self->kinds, self->n_args, args + 4, slots, params);
+  if (packed == -2)
+    Py_RETURN_FALSE;
+  if (packed < 0)
+    return NULL;
+  if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0)
+    Py_RETURN_TRUE;
+  if (load_driver() < 0)
+    return NULL;
+  void *ctx = NULL;
+  int rc = cu_ctx_get_current(&ctx);
+  if (rc == 0 && ctx == NULL) {
+    /* A thread that has not made a CUDA runtime call yet (a user's worker, autograd's
+     * device thread) has no current context: bind the device's primary one, which torch
+     * and the binary use, as the runtime would at its first call. */
+    int dev;
+    rc = cu_device_get(&dev, self->device);
+    if (rc == 0)
+      rc = cu_primary_ctx_retain(&ctx, dev);
+    if (rc == 0)
+      rc = cu_ctx_set_current(ctx);
+  }
+  if (rc == 0)
+    rc = cu_launch(self->function, grid[0], grid[1], grid[2], self->block_x, 1, 1, self->shared,
+                   stream, params, NULL);
+  if (rc != 0) {
+    const char *text = "unknown error";
+    cu_get_error_string(rc, &text);
+    PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed: %s (%d)", text, rc);
+    return NULL;
+  }
+  Py_RETURN_TRUE;
+}
+
+static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  unsigned long long function;
+  unsigned block_x, shared;
+  int device;
+  const char *kinds;
+  Py_ssize_t n_kinds;
+  PyObject *guards = NULL;
+  static char *names[] = {"function", "device", "block_x", "shared", "kinds", "guards", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiIIs#|O!", names, &function, &device, &block_x,
+                                   &shared, &kinds, &n_kinds, &PyTuple_Type, &guards))
+    return NULL;
+  Py_ssize_t n_guards = guards == NULL ? 0 : PyTuple_GET_SIZE(guards);
+  if (n_guards > n_kinds) {
+    PyErr_SetString(PyExc_ValueError, "more guards than kernel parameters");
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < n_guards; ++i) {
+    PyObject *guard = PyTuple_GET_ITEM(guards, i);
+    if (!PyTuple_Check(guard) || PyTuple_GET_SIZE(guard) != 2 || kinds[i] != 'P') {
+      PyErr_Format(PyExc_ValueError, "guard %zd: a (dtype, aligned) pair for a pointer parameter", i);
+      return NULL;
+    }
+  }
+  if (n_kinds > MAX_PARAMS) {
+    PyErr_Format(PyExc_ValueError, "at most %d kernel parameters, got %zd", MAX_PARAMS, n_kinds);
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < n_kinds; ++i) {
+    if (strchr("PbhilBHILeEfdC", kinds[i]) == NULL || kinds[i] == '\0') {
+      PyErr_Format(PyExc_ValueError, "unknown parameter kind %c at %zd", kinds[i], i);
+      return NULL;
+    }
+  }
+  Launcher *self = (Launcher *)type->tp_alloc(type, 0);
+  if (self == NULL)
+    return NULL;
+  self->function = (void *)(uintptr_t)function;
+  self->device = device;
+  self->block_x = block_x;
+  self->shared = shared;
+  self->n_args = n_kinds;
+  memcpy(self->kinds, kinds, (size_t)n_kinds);
+  self->n_guards = n_guards;
+  for (Py_ssize_t i = 0; i < n_guards; ++i) {
+    PyObject *guard = PyTuple_GET_ITEM(guards, i);
+    self->dtypes[i] = PyTuple_GET_ITEM(guard, 0);
+    Py_INCREF(self->dtypes[i]);
+    self->aligned[i] = (char)PyObject_IsTrue(PyTuple_GET_ITEM(guard, 1));
+  }
+  self->vectorcall = launcher_vectorcall;
+  return (PyObject *)self;
+}
+
+static void launcher_dealloc(PyObject *obj) {
+  Launcher *self = (Launcher *)obj;
+  for (Py_ssize_t i = 0; i < self->n_guards; ++i)
+    Py_DECREF(self->dtypes[i]);
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+static PyTypeObject LauncherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "portable_kernels_launcher.Launcher",
+    .tp_basicsize = sizeof(Launcher),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Launcher, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = launcher_new,
+    .tp_dealloc = launcher_dealloc,
+    .tp_doc = "One compiled kernel's launch: Launcher(function, device, block_x, shared, kinds, guards=())",
+};
+
+/* pack(kinds, *args) -> bytes: the parameter buffer a launch would pass, each parameter in
+ * its own 8-byte slot, the two scratch pointers last (for tests, no driver needed). */
+static PyObject *pack_for_test(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs < 1 || !PyUnicode_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "pack(kinds, *args)");
+    return NULL;
+  }
+  Py_ssize_t n_kinds;
+  const char *kinds = PyUnicode_AsUTF8AndSize(args[0], &n_kinds);
+  if (kinds == NULL)
+    return NULL;
+  if (n_kinds != nargs - 1 || n_kinds > MAX_PARAMS) {
+    PyErr_SetString(PyExc_TypeError, "pack: one argument per kind");
+    return NULL;
+  }
+  Slot slots[MAX_PARAMS + 2];
+  void *params[MAX_PARAMS + 2];
+  memset(slots, 0, sizeof(slots));
+  Py_ssize_t n = pack(NULL, kinds, n_kinds, args + 1, slots, params);
+  if (n < 0)
+    return NULL;
+  return PyBytes_FromStringAndSize((const char *)slots, n * (Py_ssize_t)sizeof(Slot));
+}
+
+static PyMethodDef methods[] = {
+    {"pack", (PyCFunction)(void (*)(void))pack_for_test, METH_FASTCALL, "pack(kinds, *args) -> bytes"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "portable_kernels_launcher", NULL, -1,
+                                        methods};
+
+PyMODINIT_FUNC PyInit_portable_kernels_launcher(void) {
+  data_ptr_name = PyUnicode_InternFromString("data_ptr");
+  dtype_name = PyUnicode_InternFromString("dtype");
+  if (data_ptr_name == NULL || dtype_name == NULL || PyType_Ready(&LauncherType) < 0)
+    return NULL;
+  PyObject *module = PyModule_Create(&module_def);
+  if (module == NULL)
+    return NULL;
+  Py_INCREF(&LauncherType);
+  if (PyModule_AddObject(module, "Launcher", (PyObject *)&LauncherType) < 0) {
+    Py_DECREF(&LauncherType);
+    Py_DECREF(module);
+    return NULL;
+  }
+  return module;
+}

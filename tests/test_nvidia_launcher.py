@@ -1,0 +1,159 @@
+"""The NVIDIA backend's C launcher (``backends/nvidia/launcher.c``): which kernels it takes,
+how it packs each kind of parameter (on any machine with a C compiler), and on an NVIDIA GPU
+under Triton 3.6 its launches against Triton's own."""
+from __future__ import annotations
+
+import dataclasses
+import struct
+import types
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import portable_kernels as pk
+from portable_kernels import _direct
+from portable_kernels_backends import nvidia
+from portable_kernels_backends.nvidia import launcher
+
+
+def _module():
+    mod = launcher.module()
+    if mod is None:
+        pytest.skip("no C compiler here: the NVIDIA backend keeps Triton's launcher")
+    return mod
+
+
+def test_kinds_follow_tritons_signature():
+    sig = {"x": "*fp16", "flag": "i1", "n": "i32", "big": "i64", "u": "u64", "s": "fp32",
+           "h": "fp16", "b": "bf16", "d": "fp64", "one": "constexpr"}
+    assert launcher.kinds(sig) == "PbilLfeEdC"
+    assert launcher.kinds({"desc": "tensordesc<fp16[64, 64]>"}) is None
+    assert launcher.kinds({"pair": ("*fp32", "i32")}) is None
+
+
+def _kernel(**meta):
+    defaults = dict(num_ctas=1, global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=None,
+                    launch_cooperative_grid=False, launch_pdl=False, num_warps=4, shared=0)
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(**{**defaults, **meta}),
+                                 src=types.SimpleNamespace(signature={"x": "*fp32", "n": "i32"}))
+
+
+@pytest.mark.parametrize("meta", [{"num_ctas": 2}, {"global_scratch_size": 128},
+                                  {"profile_scratch_size": 64}, {"launch_pdl": True},
+                                  {"launch_cooperative_grid": True}, {"tensordesc_meta": [{}]}])
+def test_kernels_needing_what_it_leaves_out_keep_tritons_launcher(meta):
+    assert launcher.make(_kernel(**meta)) is None
+
+
+def test_the_hook_answers_for_nvidia_devices_under_a_verified_triton(monkeypatch):
+    h100 = nvidia.pk_emulation_profiles()["h100"]
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert nvidia.pk_binary_launcher(h100) is launcher.make
+    monkeypatch.setenv("PK_C_LAUNCHER", "0")
+    assert nvidia.pk_binary_launcher(h100) is None
+    monkeypatch.delenv("PK_C_LAUNCHER")
+    monkeypatch.setattr(triton, "__version__", "3.9.0")  # launch protocol not checked there
+    assert nvidia.pk_binary_launcher(h100) is None
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert nvidia.pk_binary_launcher(dataclasses.replace(h100, vendor="amd")) is None
+
+
+def test_packing_of_every_kind():
+    """Each parameter in an 8-byte slot with the bytes the kernel reads, constexprs left
+    out, then the two null scratch pointers."""
+    mod = _module()
+    t = torch.zeros(4)
+    packed = mod.pack("PPPbhilBHILfeEdC", t, None, 12345, True, -300, -7, 2**40, 200, 60000,
+                      2**32 - 1, 2**64 - 1, 1.5, 0.333, 1.5, 2.5, 99)
+    slots = [packed[i:i + 8] for i in range(0, len(packed), 8)]
+    assert len(slots) == 15 + 2
+    want = [struct.pack("<Q", t.data_ptr()), struct.pack("<Q", 0), struct.pack("<Q", 12345),
+            struct.pack("<b", 1), struct.pack("<h", -300), struct.pack("<i", -7),
+            struct.pack("<q", 2**40), struct.pack("<B", 200), struct.pack("<H", 60000),
+            struct.pack("<I", 2**32 - 1), struct.pack("<Q", 2**64 - 1), struct.pack("<f", 1.5),
+            struct.pack("<e", 0.333), struct.pack("<f", 1.5)[2:], struct.pack("<d", 2.5)]
+    for i, (got, expected) in enumerate(zip(slots, want)):
+        assert got[:len(expected)] == expected, i
+    assert slots[-2:] == [bytes(8), bytes(8)]
+
+
+@pytest.mark.parametrize("kinds, value, error", [
+    ("i", 2**31, OverflowError), ("B", -1, OverflowError), ("h", 2**15, OverflowError),
+    ("i", 1.5, TypeError), ("f", "x", TypeError), ("P", object(), AttributeError)])
+def test_bad_values_raise(kinds, value, error):
+    with pytest.raises(error):
+        _module().pack(kinds, value)
+
+
+def test_guards_decline_other_dtypes_and_alignments():
+    """A call whose leading tensors differ in dtype or 16-byte alignment from the binary's
+    returns False before the driver is needed (here there may be none)."""
+    storage = torch.zeros(64, dtype=torch.float16)
+    launch = _module().Launcher(0, 0, 128, 0, "PPi", ((torch.float16, True), (torch.float16, True)))
+    for x in (storage[1:9], storage.float()[:8], None):
+        assert launch(1, 1, 1, 0, x, storage[:8], 8) is False
+    with pytest.raises(ValueError, match="guard 0"):
+        _module().Launcher(0, 0, 128, 0, "iP", ((torch.float16, True),))
+
+
+def test_a_call_with_the_wrong_argument_count_names_them():
+    launch = _module().Launcher(0, 0, 128, 0, "PiC")
+    with pytest.raises(TypeError, match="grid x, y, z, stream, then 3 kernel arguments"):
+        launch(1, 1, 1, 0, torch.zeros(1), 3)
+    with pytest.raises(ValueError, match="unknown parameter kind"):
+        _module().Launcher(0, 0, 128, 0, "Pq")
+
+
+@triton.jit
+def _scalars(x_ptr, out_ptr, ints_ptr, n, big, scale, one, flag, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(x_ptr + offs, mask=mask) * scale + one
+    tl.store(out_ptr + offs, tl.where(flag, y, -y), mask=mask)
+    tl.store(ints_ptr, big)
+    tl.store(ints_ptr + 1, n.to(tl.int64))
+
+
+def test_launches_match_tritons_on_the_gpu(device, gen):
+    """A kernel with a pointer of each use, i32, i64, fp32, an integer Triton folds into a
+    constexpr (1) and a bool, launched by Triton, then by the C launcher into poisoned
+    outputs: the same results."""
+    if device.type != "cuda" or torch.version.cuda is None or not launcher.available():
+        pytest.skip("the C launcher runs on NVIDIA GPUs under Triton 3.6 only")
+    x = torch.randn(100, generator=gen).to(device)
+    outs = {}
+    for how in ("triton", "c"):
+        out = torch.full((128,), float("nan"), device=device)
+        ints = torch.full((2,), -1, dtype=torch.int64, device=device)
+        args = (x, out, ints, 100, 2**40 + 3, 0.5, 1, False)
+        compiled = _scalars[(1,)](*args, BLOCK=128)
+        if how == "c":
+            launch = launcher.make(compiled, tuple((t.dtype, True) for t in args[:3]))
+            assert launch is not None and launcher.kinds(compiled.src.signature).count("C") == 2
+            out.fill_(float("nan"))
+            ints.fill_(-1)
+            assert launch(1, 1, 1, torch.cuda.current_stream().cuda_stream, *args, 128) is True
+        torch.cuda.synchronize()
+        outs[how] = (out.clone(), ints.clone())
+    want = -(x.double() * 0.5 + 1)
+    torch.testing.assert_close(outs["c"][0][:100].double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.isnan(outs["c"][0][100:]).all()  # masked lanes untouched
+    assert outs["c"][1].tolist() == [2**40 + 3, 100]
+    assert torch.equal(outs["c"][1], outs["triton"][1])
+
+
+def test_family_calls_go_through_it_on_the_gpu(device, gen):
+    """On an NVIDIA GPU under Triton 3.6 the direct launches of a family use the C launcher."""
+    if device.type != "cuda" or torch.version.cuda is None or not launcher.available():
+        pytest.skip("the C launcher runs on NVIDIA GPUs under Triton 3.6 only")
+    x, y = (torch.randn(5000, generator=gen).to(device, torch.float16) for _ in range(2))
+    add = pk.get_kernel("vector_add")
+    for _ in range(3):
+        out = add(x, y)
+    torch.testing.assert_close(out, (x.float() + y.float()).half())
+    plans = set(add._cache.values())
+    entries = [e for p in plans for d in p._tuned.values() if isinstance(d, _direct.DirectLaunch)
+               for e in d.entries.values()]
+    assert entries and all(e.launch is not None for e in entries)
