@@ -79,6 +79,13 @@ def test_packing_of_every_kind():
     assert slots[-2:] == [bytes(8), bytes(8)]
 
 
+def test_integer_like_values_pack_as_ints():
+    """numpy integers (and anything with ``__index__``) pack as Triton's launcher takes them."""
+    np = pytest.importorskip("numpy")
+    packed = _module().pack("iLI", np.int64(-5), np.uint64(2**63), np.int32(4096))
+    assert packed[:24] == struct.pack("<iiQII", -5, 0, 2**63, 4096, 0)
+
+
 @pytest.mark.parametrize("kinds, value, error", [
     ("i", 2**31, OverflowError), ("B", -1, OverflowError), ("h", 2**15, OverflowError),
     ("i", 1.5, TypeError), ("f", "x", TypeError), ("P", object(), AttributeError)])

@@ -107,7 +107,22 @@ static int guard_holds(const Launcher *self, Py_ssize_t i, PyObject *obj, uint64
   return same && ((ptr % 16 == 0) == self->aligned[i]);
 }
 
+static int pack_int_exact(PyObject *obj, char kind, Slot *slot, Py_ssize_t index);
+
+/* Any integer-like value (numpy integers too, through __index__), as Triton's launcher
+ * takes them. */
 static int pack_int(PyObject *obj, char kind, Slot *slot, Py_ssize_t index) {
+  if (PyLong_Check(obj))
+    return pack_int_exact(obj, kind, slot, index);
+  PyObject *exact = PyNumber_Index(obj);
+  if (exact == NULL)
+    return -1;
+  int rc = pack_int_exact(exact, kind, slot, index);
+  Py_DECREF(exact);
+  return rc;
+}
+
+static int pack_int_exact(PyObject *obj, char kind, Slot *slot, Py_ssize_t index) {
   if (kind == 'L' || kind == 'P') {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred())
@@ -215,10 +230,10 @@ static PyObject *launcher_vectorcall(PyObject *callable, PyObject *const *args, 
   }
   unsigned grid[3];
   for (int d = 0; d < 3; ++d) {
-    unsigned long v = PyLong_AsUnsignedLong(args[d]);
-    if (v == (unsigned long)-1 && PyErr_Occurred())
+    Slot dim;
+    if (pack_int(args[d], 'I', &dim, d) < 0)
       return NULL;
-    grid[d] = (unsigned)v;
+    grid[d] = dim.u32;
   }
   void *stream = PyLong_AsVoidPtr(args[3]);
   if (stream == NULL && PyErr_Occurred())
