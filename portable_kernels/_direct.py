@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import triton
 
-__all__ = ["DirectLaunch", "supported"]
+__all__ = ["DirectLaunch", "describe", "supported"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,19 @@ def supported(vendor: str, interpreted: bool) -> bool:
     if os.environ.get("PK_DIRECT_LAUNCH", "1") == "0":
         return False
     return triton.__version__.startswith(VERIFIED) and hasattr(torch._C, "_cuda_getCurrentRawStream")
+
+
+def describe(vendor: str, interpreted: bool, binary: Any) -> str:
+    """How calls are launched on a device of ``vendor``, with ``binary`` its backend's
+    ``pk_binary_launcher`` answer (``portable-kernels info``)."""
+    if interpreted:
+        return "Triton's interpreter"
+    if not supported(vendor, interpreted):
+        why = ("PK_DIRECT_LAUNCH=0" if os.environ.get("PK_DIRECT_LAUNCH", "1") == "0"
+               else f"direct launches need NVIDIA GPUs under triton {' or '.join(v + 'x' for v in VERIFIED)}")
+        return f"Triton's JIT dispatch on every call ({why})"
+    how = "its Triton launcher" if binary is None else getattr(binary, "__module__", None) or "the backend's"
+    return f"a seen call's compiled kernel directly, by {how}"
 
 
 def _hooked() -> bool:

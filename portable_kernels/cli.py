@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import triton
 
-from . import __version__, dispatch, plugins
+from . import __version__, _direct, dispatch, plugins
 from ._table import fill, table
 from .device import CAPABILITIES
 from .errors import DeviceError, PortableKernelsError
@@ -96,6 +96,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     if info is None:
         out["device_error"] = device_error
     out["device"] = info.to_dict() if info else None
+    if info is not None and not info.emulated:
+        binary = host.call("pk_binary_launcher", firstresult=True, device=info)
+        out["launches"] = _direct.describe(info.vendor, info.has("interpreter"), binary)
     out["kernels"] = _kernel_rows(device) if info else []
     # Again: a variant whose priority or accepts failed during selection is listed too.
     out["failed_plugins"] = [f.to_dict() for f in host.failures]
@@ -118,6 +121,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(fill(f"warp size {info.warp_size} · {info.num_sms} SMs/CUs · shared memory "
                        f"{info.shared_memory} B/program · triton {info.triton_version}", "  "))
         print(fill(f"fingerprint {info.fingerprint}", "  "))
+        if "launches" in out:
+            print(fill(f"launches: {out['launches']}", "  "))
         if info.evidence:
             print(fill(f"kernels on {info.arch}: {info.evidence}", "  "))
         print(fill(_capability_heading(info)))

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 import portable_kernels as pk
 from portable_kernels import cli, dispatch
@@ -39,6 +40,27 @@ def test_info_json(capsys, fresh_host, device):
     assert {p["name"] for p in data["plugins"]} >= {"cpu", "nvidia", "amd", "iluvatar"}
     assert {k["kernel"] for k in data["kernels"]} >= {"softmax", "vector_add"}
     assert data["device"]["fingerprint"]
+    if device.type == "cpu":
+        assert data["launches"] == "Triton's interpreter"
+    elif torch.version.cuda is not None and triton.__version__.startswith("3.6."):
+        assert data["launches"].endswith("by portable_kernels_backends.nvidia.launcher")
+
+
+def test_the_launch_path_is_described_with_its_reason(monkeypatch):
+    """What ``info`` says about launches: the interpreter, Triton's JIT dispatch and why,
+    or direct launches by the backend's launcher or Triton's."""
+    from portable_kernels import _direct
+    from portable_kernels_backends.nvidia import launcher
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    assert _direct.describe("nvidia", True, None) == "Triton's interpreter"
+    assert _direct.describe("nvidia", False, launcher.make).endswith("by portable_kernels_backends.nvidia.launcher")
+    assert _direct.describe("nvidia", False, None).endswith("by its Triton launcher")
+    assert "need NVIDIA GPUs under triton 3.6.x" in _direct.describe("amd", False, None)
+    monkeypatch.setenv("PK_DIRECT_LAUNCH", "0")
+    assert _direct.describe("nvidia", False, launcher.make).endswith("(PK_DIRECT_LAUNCH=0)")
 
 
 def test_info_shows_failed_plugins(capsys, monkeypatch, fresh_host, device):
