@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import math
 from typing import Optional
 
@@ -558,7 +559,14 @@ def _no_sinks_grad(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::flash_attn_forward", mutates_args=())
+# Its output follows q's memory order (flash_attn.output_like): compiled code must pass q in
+# the order it was traced with, where Inductor would otherwise pick an input layout freely
+# (custom_op takes tags from torch 2.5).
+_Q_ORDER = ({"tags": (torch.Tag.needs_fixed_stride_order,)}
+            if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flash_attn_forward", mutates_args=(), **_Q_ORDER)
 def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                        sm_scale: Optional[float] = None, window_left: int = -1,
                        window_right: int = -1, softcap: float = 0.0,
@@ -581,7 +589,9 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
 def _(q, k, v, causal=False, sm_scale=None, window_left=-1, window_right=-1, softcap=0.0,
       alibi_slopes=None, sinks=None, align="top_left"):
     b, h, n_q, d = q.shape
-    return q.new_empty((b, h, n_q, d)), q.new_empty((b, h, n_q), dtype=torch.float32)
+    # In q's memory order, as the kernels' output (flash_attn.output_like).
+    out = torch.empty_like(q) if q.stride(-1) == 1 else q.new_empty((b, h, n_q, d))
+    return out, q.new_empty((b, h, n_q), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::flash_attn_backward", mutates_args=())

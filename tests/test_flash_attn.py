@@ -90,6 +90,8 @@ def _check(case: Case, dtype: torch.dtype, device, gen, variant: str | None = No
     else:
         out = pk.get_kernel(NAME)(*views, causal=case.causal, sm_scale=case.sm_scale)
     assert out.shape == (case.b, case.h, case.n_q, case.d) and out.dtype == dtype
+    # Laid out as q (flash_attn.output_like): transformers' transpose back is then no copy.
+    assert out.stride() == views[0].stride(), (out.stride(), views[0].stride())
 
     # The reference sees the same (rounded) inputs, in float64, through the same views.
     leaves64 = [x.detach().cpu().double().requires_grad_() for x in leaves]

@@ -1123,7 +1123,10 @@ def test_flash_attn(dtype, case):
         what = f"flash_attn[{variant}]"
         with forced("flash_attn", variant):
             out = call("flash_attn", case["api"], q, k, v, **kwargs)
-        check_output(out, ref, dtype, tol, what)
+        check_output(out, ref, dtype, tol, what, contiguous=False)
+        # Laid out as q where q is dense with a unit D stride, else contiguous (output_like).
+        layout = torch.empty_like(q) if q.stride(-1) == 1 else torch.empty(q.shape)
+        assert out.stride() == layout.stride(), f"{what}: strides {out.stride()}, q's {q.stride()}"
         assert_unchanged(before, (q, k, v), what)
         # Backward (handle or ops); gradients are sums over a sequence: the conformance
         # suite's tolerance, the table's atol relative to their scale.

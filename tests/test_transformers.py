@@ -205,6 +205,22 @@ def test_unsupported_calls_fall_back_to_sdpa_with_a_logged_reason(gen, device, c
     assert_close(out[valid], ours[valid], TOL, "SDPA fallback vs packed kernel")
 
 
+def test_the_attention_output_is_saved_once(gen, device):
+    """The (B, Nq, H, D) output transformers gets back is the very tensor the attention's
+    backward keeps (q's layout, so no copy): the next projection, which saves its input,
+    holds no second copy of it, as with SDPA's output."""
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, True
+    q = torch.randn(1, 12, 4, 16, generator=gen).to(device).requires_grad_().transpose(1, 2)
+    kv = torch.randn(1, 12, 2, 16, generator=gen).to(device).requires_grad_().transpose(1, 2)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, _ = pk_hf.attention_forward(module, q, kv, kv, None)
+    assert out.shape == (1, 12, 4, 16) and out.is_contiguous()
+    kept = {t.untyped_storage().data_ptr() for t in saved}
+    assert out.untyped_storage().data_ptr() in kept
+
+
 def test_fallback_reasons():
     q = torch.empty(1, 4, 3, 16)
     kv = torch.empty(1, 2, 5, 16)

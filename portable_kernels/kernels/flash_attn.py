@@ -1255,15 +1255,28 @@ def _forward_setup(plan, block_d: int, itemsize: int) -> tuple[int, int, dict]:
     return plan.cached((NAME, "forward", block_d, itemsize), build)
 
 
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """A new (B, H, Nq, D) attention output laid out in memory as ``q`` is where ``q`` is
+    dense with a unit D stride, else contiguous. transformers (and FlashAttention's callers)
+    hand q over as a (B, Nq, H, D) buffer seen as (B, H, Nq, D) and turn the output back
+    with ``transpose(1, 2).contiguous()``: in q's order that is no copy, and autograd keeps
+    one tensor where the backward's saved output and the next projection's saved input
+    were two (16 MiB a layer at 4096 tokens, H = 16, D = 128). SDPA's flash and cuDNN
+    outputs are laid out so too. The kernels write through the output's strides."""
+    if q.stride(-1) == 1:
+        return torch.empty_like(q)  # torch's preserve_format: q's strides where q is dense
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
 def _outputs(q: torch.Tensor, mods: Mods) -> tuple[torch.Tensor, torch.Tensor]:
-    """New ``(out, lse)`` for ``q``: (B, H, Nq, D) and (B, H, Nq); for a packed batch
-    ``out`` is a (total, H, D) tensor seen as q's (1, H, total, D) view, ``lse`` (H, total)."""
+    """New ``(out, lse)`` for ``q``: (B, H, Nq, D) (:func:`output_like`) and (B, H, Nq); for
+    a packed batch ``out`` is a (total, H, D) tensor seen as q's (1, H, total, D) view,
+    ``lse`` (H, total)."""
     b, h, n_q, d = q.shape
     if mods.varlen:
         out = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
         return out, torch.empty((h, n_q), dtype=torch.float32, device=q.device)
-    return (torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device),
-            torch.empty((b, h, n_q), dtype=torch.float32, device=q.device))
+    return output_like(q), torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
 
 
 def _no_keys_lse(lse: torch.Tensor, mods: Mods) -> torch.Tensor:
@@ -1481,8 +1494,8 @@ def launch(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ALiBi's, and the window's) to the end of the keys instead, as FlashAttention does: query
     ``i`` sees keys up to ``i + Nk - Nq`` (decode, chunked prefill). ``window_size=(left,
     right)`` (-1: unbounded), ``softcap`` (0: off), ``alibi_slopes`` fp32 (H,) or (B, H) and
-    ``sinks`` (H,) follow FlashAttention (``_attn_mods``). Returns a new contiguous
-    (B, H, Nq, D) tensor of q's dtype, differentiable with respect to q, k, v and sinks;
+    ``sinks`` (H,) follow FlashAttention (``_attn_mods``). Returns a new (B, H, Nq, D)
+    tensor of q's dtype laid out as q (contiguous for a contiguous q; :func:`output_like`), differentiable with respect to q, k, v and sinks;
     with ``return_lse`` also the fp32 (B, H, Nq) natural log-sum-exp of the scores (-inf for
     a row that sees no key). The inputs were checked by :func:`problem` (selection runs it
     first).

@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portable_kernels.kernels import _counters, _host
+from portable_kernels.kernels import _counters, _host, flash_attn
 
 from ._common import FixedTile, descriptor
 from ._common import tma_load as _tma_load
@@ -882,7 +882,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     (``LaunchPlan``), a call it has seen launches the compiled binary directly."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    out = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
+    out = flash_attn.output_like(q)  # stored through its strides (see the epilogue)
     lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
     mean_keys = n_k // 2 if causal else n_k
     consumers = D64_CONSUMERS if d == 64 and mean_keys >= D64_CONSUMERS_MIN_KEYS else 2
