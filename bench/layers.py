@@ -14,11 +14,13 @@ With ``--backward`` the backward is timed too (every family here is differentiab
 the forward's inputs and the incoming gradient read, the gradients written).
 
 Every implementation is checked against the family's float64 reference, within the
-tolerance table's bound for its kind, before it is timed. Dropout is left out: its mask
+tolerance table's bound for its kind, before it is timed. ``--rounds N`` times them N times
+in turns and keeps each one's median (two-shape runs once read our layer_norm backward at
+873 and 1490 GB/s where it runs 2277 alone: a single pass can catch a slow spell). Dropout is left out: its mask
 has no torch counterpart to check against.
 
     python bench/layers.py [--quick] [--dtypes fp16,bf16] [--cudagraph] [--backward]
-                           [--families F,...] [--shapes TOKENSxHIDDEN,...]
+                           [--families F,...] [--shapes TOKENSxHIDDEN,...] [--rounds N]
                            [--json PATH] [--plot DIR] [--set MODULE.NAME=VALUE ...]
 
 Needs an NVIDIA GPU; on a CPU-only machine it exits saying what to run instead.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import portable_kernels  # noqa: F401  (first: it chooses the interpreter before triton is imported)
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -169,30 +172,45 @@ def implementations(family: str) -> dict[str, _peers.Impl]:
             **_peers.layer(family)}
 
 
-def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: Any) -> dict:
+def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: Any,
+              device: str = "cuda") -> dict:
+    """One (family, shape, dtype) row: every implementation checked, then timed
+    ``args_.rounds`` times in turns (the median kept; ``row["spread"]`` the range), so that
+    a slow spell of the device reads as spread, not as one implementation's number."""
     row: dict = {"family": family, "tokens": tokens, "hidden": hidden,
                  "dtype": str(dtype).removeprefix("torch."), "ms": {}, "tflops": {}, "gbps": {}, "error": {}}
-    args = inputs(family, tokens, hidden, dtype, "cuda")
+    args = inputs(family, tokens, hidden, dtype, device)
     passes = ["fwd"] + (["bwd"] if args_.backward else [])
+    timings = []  # (key, implementation, call, bytes moved)
     for name, impl in implementations(family).items():
         call_args = impl.prepare(args)
         with impl.context():
             out = _common.first_call(row, name, lambda: check(family, impl, args, call_args))
-            if out is None:
+        if out is None:
+            continue
+        finished = impl.finish(_tuple(out))
+        for p in passes:
+            key = f"{name} {p}"
+            if p == "bwd" and not impl.backward:
+                row["error"][key] = "no backward"
                 continue
-            finished = impl.finish(_tuple(out))
-            for p in passes:
-                key = f"{name} {p}"
-                if p == "bwd" and not impl.backward:
-                    row["error"][key] = "no backward"
-                    continue
-                if p == "fwd":
-                    call = lambda: impl.fn(*call_args)  # noqa: E731
-                else:
-                    call = backward_call(family, impl.fn, call_args)
+            if p == "fwd":
+                call = (lambda impl=impl, call_args=call_args: impl.fn(*call_args))
+            else:
+                call = backward_call(family, impl.fn, call_args)
+            timings.append((key, impl, call, moved_bytes(args, finished, p == "bwd")))
+    samples: dict[str, list[float]] = {key: [] for key, *_ in timings}
+    for _ in range(max(1, getattr(args_, "rounds", 1))):
+        for key, impl, call, _ in timings:
+            with impl.context():
                 _common.timed(row, key, call, 0.0, args_.cudagraph)
-                moved = moved_bytes(args, finished, p == "bwd")
-                row["gbps"][key] = moved / (row["ms"][key] * 1e-3) / 1e9
+            samples[key].append(row["ms"][key])
+    for key, _, _, moved in timings:
+        times = samples[key]
+        row["ms"][key] = statistics.median(times)
+        row["gbps"][key] = moved / (row["ms"][key] * 1e-3) / 1e9
+        if len(times) > 1:
+            row.setdefault("spread", {})[key] = (min(times), max(times))
     return row
 
 
@@ -256,6 +274,8 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="time the backward too")
     parser.add_argument("--families", default=",".join(FAMILIES),
                         help=f"comma-separated, among {', '.join(FAMILIES)}")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every implementation this many times, in turns (median)")
     parser.add_argument("--shapes", default=None, metavar="TxH,...",
                         help="comma-separated tokens x hidden, e.g. 16384x4096 (default: "
                         + ", ".join(f"{t}x{h}" for t, h in SHAPES) + ")")

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,30 @@ def test_layers_bench_checks_ours_and_torchs_against_the_references(device):
     (plot,) = bench.plot_benchmarks([row])
     assert plot.x_vals == ["softmax 4x64"] and plot.plot_name == "layers-float16-fwd"
     assert bench.measured([row])("softmax 4x64", "torch", "float16", "fwd") == 1000.0
+
+
+def test_layers_bench_times_in_rounds(monkeypatch, device):
+    """``--rounds N``: every implementation is checked once, then timed N times in turns
+    (ours, torch, ours, torch, ...), and the row keeps the median and the range."""
+    bench = _load("layers")
+    timed = []
+
+    def fake_timed(row, key, fn, flops, cudagraph):
+        fn()
+        timed.append(key)
+        row["ms"][key] = {1: 2.0, 2: 1.0, 3: 9.0}[sum(k == key for k in timed)]
+
+    monkeypatch.setattr(bench._common, "timed", fake_timed)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    every = bench.implementations  # the peers, where installed, are left out here
+    monkeypatch.setattr(bench, "implementations", lambda family: {
+        k: v for k, v in every(family).items() if k in ("ours", "torch")})
+    args = types.SimpleNamespace(backward=True, cudagraph=False, rounds=3)
+    row = bench.bench_row("softmax", 4, 64, torch.float32, args, device=str(device))
+    keys = ["ours fwd", "ours bwd", "torch fwd", "torch bwd"]
+    assert timed == keys * 3 and not row["error"]
+    assert all(row["ms"][k] == 2.0 and row["spread"][k] == (1.0, 9.0) for k in keys)
+    assert row["gbps"]["ours fwd"] == row["gbps"]["torch fwd"] > 0
 
 
 def test_flash_bench_rows_by_sequence_length():
