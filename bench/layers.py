@@ -181,7 +181,7 @@ def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: 
                  "dtype": str(dtype).removeprefix("torch."), "ms": {}, "tflops": {}, "gbps": {}, "error": {}}
     args = inputs(family, tokens, hidden, dtype, device)
     passes = ["fwd"] + (["bwd"] if args_.backward else [])
-    timings = []  # (key, implementation, call, bytes moved)
+    timings = []  # (key, implementation, a function making the timed call, bytes moved)
     for name, impl in implementations(family).items():
         call_args = impl.prepare(args)
         with impl.context():
@@ -195,15 +195,17 @@ def bench_row(family: str, tokens: int, hidden: int, dtype: torch.dtype, args_: 
                 row["error"][key] = "no backward"
                 continue
             if p == "fwd":
-                call = (lambda impl=impl, call_args=call_args: impl.fn(*call_args))
+                make = (lambda impl=impl, call_args=call_args: lambda: impl.fn(*call_args))
             else:
-                call = backward_call(family, impl.fn, call_args)
-            timings.append((key, impl, call, moved_bytes(args, finished, p == "bwd")))
+                # Built anew in each round: one retained graph at a time, as in one pass.
+                make = (lambda impl=impl, call_args=call_args:
+                        backward_call(family, impl.fn, call_args))
+            timings.append((key, impl, make, moved_bytes(args, finished, p == "bwd")))
     samples: dict[str, list[float]] = {key: [] for key, *_ in timings}
     for _ in range(max(1, getattr(args_, "rounds", 1))):
-        for key, impl, call, _ in timings:
+        for key, impl, make, _ in timings:
             with impl.context():
-                _common.timed(row, key, call, 0.0, args_.cudagraph)
+                _common.timed(row, key, make(), 0.0, args_.cudagraph)
             samples[key].append(row["ms"][key])
     for key, _, _, moved in timings:
         times = samples[key]
