@@ -34,7 +34,10 @@ Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)`` where Liger is install
 attention stays SDPA's; it patches transformers' modules for the rest of the process, so
 it runs last). Each one's loss on the same batch must be within 1% of the unpatched
 model's; then tokens/s of forward+backward and the peak memory. ``--profile N`` adds each
-step's N costliest GPU kernels (torch's profiler), to trace a gap to the layers making it.
+step's N costliest GPU kernels (torch's profiler), to trace a gap to the layers making it;
+``--memory-trace N`` the N largest groups of memory live at a step's peak (CUDA memory
+history replayed to the peak, grouped by the first project or transformers frame), to
+trace a memory gap the same way.
 
 Prints a table; with ``--json PATH`` writes it and the Markdown table beside it. Exits 1
 when a check fails, 2 when there is no CUDA GPU or no transformers.
@@ -76,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="with --patched: print each step's N costliest GPU kernels")
+    p.add_argument("--memory-trace", type=int, default=0, metavar="N",
+                   help="with --patched: print the N largest groups of memory live at a "
+                        "step's peak, by allocating frame")
     p.add_argument("--patched", action="store_true",
                    help="time a training step: unpatched, apply(model), Liger's patch")
     args = p.parse_args(argv)
@@ -275,6 +281,8 @@ def run_patched(dtype: torch.dtype, args, config, pk_hf) -> list[dict]:
                            peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / 2**30)
                 if args.profile:
                     row["kernels"] = kernel_profile(step, args.profile)
+                if args.memory_trace:
+                    row["memory_at_peak"] = memory_at_peak(step, args.memory_trace)
         except Exception as exc:  # e.g. a peer that does not support this transformers
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         rows.append(row)
@@ -282,6 +290,8 @@ def run_patched(dtype: torch.dtype, args, config, pk_hf) -> list[dict]:
                                 f"peak {row['peak_gib']:.2f} GiB beyond the weights"), flush=True)
         for name, ms, calls in row.get("kernels", []):
             print(f"      {ms:8.2f} ms {calls:5d}x  {name}")
+        for name, mib, blocks in row.get("memory_at_peak", []):
+            print(f"      {mib:8.1f} MiB {blocks:5d}x  {name}")
     return rows
 
 
@@ -301,6 +311,56 @@ def kernel_profile(step, top: int) -> list[tuple[str, float, int]]:
     total = (lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
     kernels.sort(key=total, reverse=True)
     return [(e.key[:90], total(e) / 1e3, e.count) for e in kernels[:top]]
+
+
+#: Frames that name an allocation's owner in ``memory_at_peak`` (torch's own are skipped).
+_OWNERS = ("portable_kernels", "liger_kernel", "flag_gems", "transformers")
+
+
+def memory_at_peak(step, top: int) -> list[tuple[str, float, int]]:
+    """The ``top`` groups of device memory live at the peak of one ``step``: (allocating
+    frame, MiB, blocks). Allocations made before the step (weights, the optimizer's state)
+    are not in the trace; the groups are what the step itself holds at its peak, keyed by
+    the innermost frame of the library or of transformers that allocated them ("?" for
+    allocations without one, e.g. on autograd's device thread)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return peak_groups(trace, top)
+
+
+def peak_groups(trace: list[dict], top: int) -> list[tuple[str, float, int]]:
+    """:func:`memory_at_peak`'s groups from a CUDA memory-history trace (a device's
+    ``device_traces`` of ``torch.cuda.memory._snapshot()``): its allocations and frees
+    replayed to the largest total, then the blocks live there summed by allocating frame."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        if event["action"] == "alloc":
+            frame = next((f for f in event.get("frames", [])
+                          if any(o in f.get("filename", "") for o in _OWNERS)), None)
+            where = "?" if frame is None else (
+                f"{frame['filename'].rsplit('site-packages/', 1)[-1]}:{frame['line']} {frame['name']}")
+            live[event["addr"]] = (event["size"], where)
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        group = groups.setdefault(where, [0, 0])
+        group[0] += size
+        group[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(where, size / 2**20, blocks) for where, (size, blocks) in ranked]
 
 
 def patched_markdown(rows: list[dict], meta: dict) -> str:

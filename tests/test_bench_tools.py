@@ -414,3 +414,29 @@ def test_host_backward_cases_run(device):
         fn()
     assert fa._backward is backward
     assert len(table) == 10 + (device.type == "cuda")
+
+
+def test_memory_trace_groups_what_is_live_at_the_peak():
+    """transformers_model's --memory-trace: a trace's allocations and frees replayed to the
+    largest total; blocks freed before it, or allocated after it, are not in the groups."""
+    bench = _load("transformers_model")
+    ours = [{"filename": "/x/site-packages/torch/functional.py", "line": 1, "name": "mm"},
+            {"filename": "/w/portable_kernels/kernels/fused.py", "line": 7, "name": "_chunks"}]
+    model = [{"filename": "/x/site-packages/transformers/models/llama.py", "line": 3,
+              "name": "forward"}]
+    mib = 2**20
+
+    def alloc(addr, size, frames):
+        return {"action": "alloc", "addr": addr, "size": size * mib, "frames": frames}
+
+    trace = [alloc(1, 10, model), alloc(2, 4, ours),
+             {"action": "free_requested", "addr": 2, "size": 4 * mib},
+             alloc(3, 4, ours), alloc(4, 4, ours), alloc(5, 1, []),       # the peak: 23 MiB
+             {"action": "free_requested", "addr": 4, "size": 4 * mib},
+             {"action": "free_completed", "addr": 4, "size": 4 * mib},
+             alloc(6, 2, model)]                                          # 21 MiB: after it
+    assert bench.peak_groups(trace, 5) == [
+        ("transformers/models/llama.py:3 forward", 10.0, 1),
+        ("/w/portable_kernels/kernels/fused.py:7 _chunks", 8.0, 2),
+        ("?", 1.0, 1)]
+    assert bench.peak_groups(trace, 1) == [("transformers/models/llama.py:3 forward", 10.0, 1)]
