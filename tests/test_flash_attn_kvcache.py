@@ -8,6 +8,8 @@ conformance suite, portable_kernels/conformance/test_flash_attn_with_kvcache.py,
 the variants, dtypes and options)."""
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +146,25 @@ def test_stages_fit_the_devices_shared_memory():
         plan = LaunchPlan(variant, host.emulation_profile(profile), [cfg], variant.switches)
         assert fam._stages(plan, 16, 64, d, itemsize) == stages, (profile, d, itemsize)
 
+
+
+def test_key_blocks_fit_the_devices_shared_memory():
+    """BLOCK_N halves (not below 16) where two stages of K/V tiles, a buffer each, would
+    pass the device's shared memory (fp32 D = 256 on MI300X's 64 KB and MI355X's 160 KB,
+    which failed to compile at 64 keys); otherwise the config's own, and on the CPU always."""
+    from portable_kernels.launch import LaunchPlan
+
+    fam = _family()
+    host = plugins.host()
+    variant = host.registry.variants[NAME]["generic"]
+    cfg = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+    for profile, d, itemsize, block_n in (("mi300x", 256, 4, 16), ("mi355x", 256, 4, 32),
+                                          ("mi300x", 64, 2, 64), ("h200", 256, 4, 32), ("h200", 256, 2, 64),
+                                          ("h200", 128, 2, 64), ("l40s", 256, 4, 16)):
+        plan = LaunchPlan(variant, host.emulation_profile(profile), [cfg], variant.switches)
+        assert fam._fit_keys(plan, 16, 64, d, itemsize) == block_n, (profile, d, itemsize)
+    unknown = dataclasses.replace(host.emulation_profile("mi300x"), shared_memory=0)  # the CPU's
+    assert fam._fit_keys(LaunchPlan(variant, unknown, [cfg], variant.switches), 16, 64, 256, 4) == 64
 
 # --- semantics -----------------------------------------------------------------------------
 

@@ -112,9 +112,11 @@ def _rdna_flash_attn(device: DeviceInfo) -> list[triton.Config]:
 def _flash_attn_with_kvcache(device: DeviceInfo) -> list[triton.Config]:
     # 4 waves of 64 lanes on CDNA (warps clamped to 1024 threads by _common.max_warps),
     # 16x16 MFMA instructions and the stream pipeliner's 2 stages where it pays off for
-    # flash_attn (MI300, MI350); RDNA3 (32-lane waves, WMMA): no CDNA options. Compiled
-    # only (ci/compile_matrix.py); not yet timed on a GPU.
-    kwargs = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_R": 16, "WRITE_BLOCK_T": 16}
+    # flash_attn (MI300, MI350); RDNA3 (32-lane waves, WMMA): no CDNA options. 32 keys a
+    # step, as the H100 streams best: at 64, the launcher's fit (_fit_keys) would halve it
+    # on gfx942's 64 KB of LDS anyway. Compiled only (ci/compile_matrix.py); not yet timed
+    # on a GPU.
+    kwargs = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_R": 16, "WRITE_BLOCK_T": 16}
     if device.has("wave64"):
         kwargs["matrix_instr_nonkdim"] = 16
     stages = 2 if device.arch in ("gfx942", "gfx950") else 1

@@ -539,15 +539,30 @@ def _stages(plan, block_m: int, block_n: int, block_d: int, itemsize: int) -> in
     return stages
 
 
+def _fit_keys(plan, block_m: int, block_n: int, block_d: int, itemsize: int) -> int:
+    """The config's ``BLOCK_N``, halved (to 16 at least) while two stages of K and V tiles
+    beside the Q and P tiles would pass the device's shared memory, counting a buffer per
+    stage: :func:`_stages` can lower the stages no further than 2, and AMD's stream
+    pipeliner keeps ``num_stages`` buffers where NVIDIA's keeps ``num_stages - 1`` (fp32
+    D = 256 at 64 keys took 256 KB of gfx950's 160 KB, 128 KB of gfx942's 64 KB)."""
+    budget = plan.device.shared_memory  # 0: unknown (the CPU), nothing to fit
+    while (budget and block_n > 16
+           and 2 * (2 * block_n * block_d * itemsize) + block_m * (block_d + block_n) * itemsize
+           > budget):
+        block_n //= 2
+    return block_n
+
+
 def _grid(plan, n_rows: int, heads: int, capacity: int, d: int, itemsize: int,
           num_splits: int) -> tuple:
     """The tiles, query tiles, split count, BLOCK_D, stages and TABLE_AHEAD of a call's
     shapes (memoised per plan: a decode loop repeats one shape)."""
     block_m, block_n, extra, warps = _tiles(plan, n_rows)
+    block_d = max(16, _host.next_power_of_2(d))
+    block_n = _fit_keys(plan, block_m, block_n, block_d, itemsize)
     m_tiles = _host.cdiv(n_rows, block_m)
     splits = num_splits or pick_splits(heads * m_tiles, _host.cdiv(capacity, block_n),
                                        plan.device.num_sms)
-    block_d = max(16, _host.next_power_of_2(d))
     stages = _stages(plan, block_m, block_n, block_d, itemsize)
     ahead = bool(plan.config.kwargs.get("TABLE_AHEAD", TABLE_AHEAD))
     return block_m, block_n, extra, warps, m_tiles, splits, block_d, stages, ahead
