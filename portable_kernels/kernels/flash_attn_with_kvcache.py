@@ -525,6 +525,13 @@ def _tiles(plan, n_rows: int) -> tuple[int, int, dict, int]:
     return max(16, block_m), cfg.kwargs.get("BLOCK_N", 64), extra, cfg.num_warps
 
 
+def _shared_bytes(kv_buffers: int, block_m: int, block_n: int, block_d: int,
+                  itemsize: int) -> int:
+    """About the attention kernel's shared memory: ``kv_buffers`` tiles of K and of V
+    beside the Q and P tiles."""
+    return kv_buffers * 2 * block_n * block_d * itemsize + block_m * (block_d + block_n) * itemsize
+
+
 def _stages(plan, block_m: int, block_n: int, block_d: int, itemsize: int) -> int:
     """The config's ``num_stages``, lowered (to 2 at least) while its K/V buffers, about
     ``num_stages - 1`` tiles of K and of V beside the Q and P tiles, would pass the device's
@@ -532,9 +539,8 @@ def _stages(plan, block_m: int, block_n: int, block_d: int, itemsize: int) -> in
     (or fp32) tiles need more than the 99 KB of sm_89 and sm_120."""
     stages = plan.config.num_stages
     budget = plan.device.shared_memory  # 0: unknown (the CPU), nothing to fit
-    kv = 2 * block_n * block_d * itemsize
-    fixed = block_m * (block_d + block_n) * itemsize
-    while budget and stages > 2 and (stages - 1) * kv + fixed > budget:
+    while budget and stages > 2 and _shared_bytes(stages - 1, block_m, block_n, block_d,
+                                                  itemsize) > budget:
         stages -= 1
     return stages
 
@@ -546,9 +552,8 @@ def _fit_keys(plan, block_m: int, block_n: int, block_d: int, itemsize: int) -> 
     pipeliner keeps ``num_stages`` buffers where NVIDIA's keeps ``num_stages - 1`` (fp32
     D = 256 at 64 keys took 256 KB of gfx950's 160 KB, 128 KB of gfx942's 64 KB)."""
     budget = plan.device.shared_memory  # 0: unknown (the CPU), nothing to fit
-    while (budget and block_n > 16
-           and 2 * (2 * block_n * block_d * itemsize) + block_m * (block_d + block_n) * itemsize
-           > budget):
+    while budget and block_n > 16 and _shared_bytes(2, block_m, block_n, block_d,
+                                                    itemsize) > budget:
         block_n //= 2
     return block_n
 
