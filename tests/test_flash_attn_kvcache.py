@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache and kv_cache_write: split counts against the float64 reference,
-the split heuristic, the in-place append, rows that see nothing, every argument error
-(before any launch), the torch operators (opcheck, torch.compile fullgraph), CUDA-graph
-capture (GPU only) and the serving benchmark's command line.
+the split heuristic, the in-place append, rows that see nothing, the descriptor (TMA) path
+of ``nvidia.hopper`` and its fallbacks to pointer loads, every argument error (before any
+launch), the torch operators (opcheck, torch.compile fullgraph), CUDA-graph capture (GPU
+only) and the serving benchmark's command line.
 
 Shapes are small and few: every call runs under Triton's interpreter on the CPU (the
 conformance suite, portable_kernels/conformance/test_flash_attn_with_kvcache.py, covers
@@ -210,6 +211,168 @@ def test_rows_that_see_no_key_are_zero_with_lse_minus_inf(gen, device):
     _, lse = ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True,
                                          sinks=sinks, return_lse=True)
     assert torch.equal(lse[0], sinks[:, None].expand(h, 4))
+
+
+# --- tensor descriptors (TMA): nvidia.hopper, forced -----------------------------------------
+# The interpreter executes device-side descriptors (zero-filling rows past their shape like
+# the copy engine), so the CPU runs the descriptor path too.
+
+HOPPER = "nvidia.hopper"
+
+
+def _skip_unless_hopper_runs(device) -> None:
+    if HOPPER not in pk.list_variants(NAME, device):
+        verdict = next(v for v in pk.explain(NAME, device=device).verdicts if v.name == HOPPER)
+        pytest.skip(f"{HOPPER}: {verdict.reason}")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """What the attention kernel's launches got: ``(TMA, PAGE, scratch lent)`` per launch,
+    the switch and page size as passed, and whether descriptor scratch was lent during it."""
+    from portable_kernels.kernels import _host
+
+    fam = _family()
+    seen, lent = [], [0]  # lent[0]: scratch allocators entered and not yet left
+    real_launcher, real_scratch = _host.launcher, _host.scratch_allocator
+
+    class Scratch(real_scratch):
+        __slots__ = ()
+
+        def __enter__(self):
+            lent[0] += 1
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            lent[0] -= 1
+            return super().__exit__(*exc)
+
+    def launcher(plan, kernel):
+        launch = real_launcher(plan, kernel)
+        if kernel is not fam._flash_attn_with_kvcache_kernel:
+            return launch
+
+        class Grid:
+            def __getitem__(self, grid):
+                def call(*args, **kwargs):
+                    seen.append((kwargs["TMA"], kwargs["PAGE"], lent[0] > 0))
+                    return launch[grid](*args, **kwargs)
+                return call
+        return Grid()
+
+    monkeypatch.setattr(_host, "launcher", launcher)
+    monkeypatch.setattr(_host, "scratch_allocator", Scratch)
+    return seen
+
+
+def _contiguous(gen, device, dtype, b=3, n_q=2, h=8, h_kv=2, d=64, capacity=72,
+                lengths=(37, 0, 61), n_new=2):
+    """A contiguous cache: NaN in every row past a sequence's keys."""
+    caches = []
+    for _ in range(2):
+        cache = torch.full((b, capacity, h_kv, d), float("nan"))
+        for i, n in enumerate(lengths):
+            cache[i, :n] = torch.randn(n, h_kv, d, generator=gen)
+        caches.append(cache)
+    q = torch.randn(b, n_q, h, d, generator=gen)
+    new = [torch.randn(b, n_new, h_kv, d, generator=gen) for _ in range(2)]
+    return [t.to(device, dtype) for t in (q, *caches, *new)]
+
+
+def _forced(*args, **kwargs):
+    with pk.use_variant(**{NAME: HOPPER}):
+        return pk.get_kernel(NAME)(*args, **kwargs)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["1split", "3splits"])
+@pytest.mark.parametrize("seqlens", ["tensor", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_descriptors_read_a_contiguous_cache(gen, device, dtype, seqlens, splits, launches):
+    """nvidia.hopper's K/V tiles through descriptors: GQA (group 4), key counts that end
+    mid-block (32-key steps: 39, 2 and 63 keys after a 2-token append; a 45-key capacity
+    without cache_seqlens), a split left with no block (3 splits of 2 blocks), bottom-right
+    causal. Rows past each sequence are NaN and the next sequence's rows follow each
+    matrix: the descriptor's shape stops at Nk, so neither reaches the output."""
+    _skip_unless_hopper_runs(device)
+    fam = _family()
+    if seqlens == "tensor":
+        q, kc, vc, k, v = _contiguous(gen, device, dtype)
+        lengths = torch.tensor([37, 0, 61], dtype=torch.int32, device=device)
+    else:  # every slot holds a key: nothing to append
+        q, kc, vc, _, _ = _contiguous(gen, device, dtype, capacity=45, lengths=(45, 45, 45))
+        k = v = lengths = None
+    ref, ref_lse = fam.reference(q, kc.clone(), vc.clone(), k, v, lengths, causal=True,
+                                 return_lse=True)
+    out, lse = _forced(q, kc.clone(), vc.clone(), k, v, lengths, causal=True, num_splits=splits,
+                       return_lse=True)
+    assert launches == [(True, 0, True)]  # descriptors on a contiguous cache, scratch lent
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_close(out, ref, tolerance(dtype, "attention"), "output")
+    assert_close(lse, ref_lse, tolerance(torch.float32, "attention"), "LSE")
+
+
+def test_descriptors_leave_a_paged_cache_to_pointer_loads(gen, device, launches):
+    """A paged cache with the TMA switch on: the switch reaches the kernel, which ignores
+    it where PAGE > 0 and gathers through the block table with pointer loads (no scratch
+    lent), 32-key steps over 16-key pages, NaN wherever no key is; right against the
+    reference, one split and three."""
+    _skip_unless_hopper_runs(device)
+    fam = _family()
+    q, kc, vc, k, v, seqlens, table = _paged(gen, device, n_q=2, n_new=2)
+    ref = fam.reference(q, kc.clone(), vc.clone(), k, v, seqlens, table, causal=True)
+    for splits in (1, 3):
+        out = _forced(q, kc.clone(), vc.clone(), k, v, seqlens, table, causal=True,
+                      num_splits=splits)
+        assert not out.isnan().any()
+        assert_close(out, ref, tolerance(torch.float32, "attention"), f"{splits} splits")
+    assert launches == [(True, 16, False)] * 2  # the switch as set; the kernel ignores it
+
+
+def test_descriptors_fall_back_where_no_descriptor_fits(gen, device, launches):
+    """A contiguous cache whose base address is off a 16-byte boundary (a view one element
+    into its storage): the launcher turns TMA off for the call, and pointer loads read it."""
+    _skip_unless_hopper_runs(device)
+    fam = _family()
+    q, kc, vc, k, v = _contiguous(gen, device, torch.float32)
+    kc, vc = (torch.cat([c.new_zeros(1), c.flatten()])[1:].view(c.shape) for c in (kc, vc))
+    assert kc.data_ptr() % 16 and not fam._describable(kc, vc)
+    lengths = torch.tensor([37, 0, 61], dtype=torch.int32, device=device)
+    ref = fam.reference(q, kc.clone(), vc.clone(), k, v, lengths, causal=True)
+    out = _forced(q, kc, vc, k, v, lengths, causal=True)
+    assert launches == [(False, 0, False)]
+    assert_close(out, ref, tolerance(torch.float32, "attention"))
+
+
+def test_describable_layouts():
+    """Unit stride along D and 16-byte aligned base and strides; batch and head strides
+    matter only where there are several sequences and several K/V heads."""
+    fam = _family()
+    ok = torch.zeros(2, 32, 4, 64, dtype=torch.float16)
+    assert fam._describable(ok, ok)
+    assert not fam._describable(*[torch.zeros(2, 32, 4, 20, dtype=torch.float16)] * 2)  # 40 B rows
+    assert fam._describable(*[torch.zeros(2, 32, 4, 20, dtype=torch.float32)] * 2)      # 80 B rows
+    strided_d = torch.zeros(2, 32, 4, 128, dtype=torch.float16)[..., ::2]
+    assert not fam._describable(strided_d, strided_d)
+    # One K/V head of four, sliced: the head stride is 128 B, the row stride 512 B.
+    one_head = torch.zeros(2, 32, 4, 64, dtype=torch.float16)[:, :, 1:2]
+    assert fam._describable(one_head, one_head)
+    # A batch stride of 40 bytes cannot offset a base; with one sequence it offsets nothing.
+    odd_batch = torch.zeros(2 * 32 * 64 + 20, dtype=torch.float16).as_strided(
+        (2, 32, 1, 64), (20, 64, 64, 1))
+    assert not fam._describable(odd_batch, odd_batch)
+    assert fam._describable(odd_batch[:1], odd_batch[:1])
+
+
+def test_descriptor_variant_is_chosen_only_when_forced():
+    """nvidia.hopper is not timed yet: on an H100 it is runnable but ranked below generic,
+    and use_variant (or PK_VARIANT) picks it."""
+    with pk.emulate("h100"):
+        chosen = pk.explain(NAME)
+        hopper = next(v for v in chosen.verdicts if v.name == HOPPER)
+        assert chosen.variant == "generic" and hopper.runnable and hopper.priority < 0
+        with pk.use_variant(**{NAME: HOPPER}):
+            forced = pk.explain(NAME)
+        assert forced.variant == HOPPER and forced.forced
 
 
 # --- errors, before any launch ------------------------------------------------------------

@@ -22,6 +22,8 @@ launchers (the other variants are switch settings of the families' kernels).
 its own (warp-specialized tiles on); ``nvidia.persistent_tma`` and grouped_matmul's
 ``nvidia.tma`` serve sm_90 and sm_100 alike, each with its table. The sm_100 tables are
 compiled by ``ci/compile_matrix.py`` but have not run on a B200.
+``flash_attn_with_kvcache``'s ``nvidia.hopper`` (K/V tiles of contiguous caches through
+descriptors) is not yet timed: it ranks below generic and runs only when forced.
 """
 from __future__ import annotations
 
@@ -155,7 +157,8 @@ def pk_register_variants(registry):
     # Imported here, not at the top: kernels are decorated only after pk_runtime_setup.
     # Each variant but the Gluon ones is a switch setting of its family's one kernel; the
     # bodies stay in portable_kernels/kernels/.
-    from portable_kernels.kernels import flash_attn, flash_attn_varlen, grouped_matmul, matmul
+    from portable_kernels.kernels import (
+        flash_attn, flash_attn_varlen, flash_attn_with_kvcache, grouped_matmul, matmul)
 
     from . import gluon
 
@@ -206,5 +209,15 @@ def pk_register_variants(registry):
         registry.add_variant(family.variant(
             "nvidia.blackwell", requires={"tensor_descriptor", "warp_specialize", "tcgen05"},
             **blackwell))
+    # Decode attention with K/V tiles through descriptors on contiguous caches. Not yet
+    # timed against generic's pointer loads: ranked below generic everywhere, so that
+    # dispatch never picks it and an A/B forces it (use_variant or PK_VARIANT).
+    registry.add_variant(flash_attn_with_kvcache.variant(
+        "nvidia.hopper", requires={"tensor_descriptor"}, priority=-10,
+        switches={"TMA": True},
+        description="generic's split-K decode kernel with K/V tiles of a contiguous cache "
+        "through device-side tensor descriptors (TMA), zero-filled past each sequence's "
+        "keys; paged caches and layouts no descriptor fits keep pointer loads; unmeasured, "
+        "so below generic: chosen only when forced"))
     # Kernels of this backend's own (sm_90, written in Gluon), with their launchers.
     gluon.register(registry)

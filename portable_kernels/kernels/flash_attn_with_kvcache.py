@@ -54,8 +54,17 @@ Constexpr switches (see ``SWITCHES``):
     UPCAST: convert loaded tiles to fp32 before the dots (the CPU backend sets it: the
         interpreter keeps bf16 as raw bits). Off on GPUs: fp16/bf16 tensor-core dots with
         fp32 accumulation, P rounded to the cache's dtype for P·V.
-There is no tensor-descriptor (TMA) path: paged gathers do not map onto the copy engine's
-rectangular tiles, and a decode tile is too small to pay for one on a contiguous cache.
+    TMA (nvidia.hopper, below generic until timed: forced only): on a contiguous cache, K
+        and V tiles move through tensor descriptors (the copy engine; device-side
+        descriptors of each program's (sequence, K/V head) (Nk, D) matrix, built once per
+        program, with scratch memory lent by the launcher) instead of pointer loads. The
+        copy engine reads rows past Nk and columns past D as zeros, so unwritten cache rows
+        (NaN, say) never reach the dots; the score mask stays, for keys past this split's
+        share and outside the window. Needs a unit stride along D and 16-byte aligned base
+        addresses and batch, row and head strides: the launcher turns the switch off for a
+        call whose cache has not (:func:`_describable`). Paged caches keep pointer loads: a
+        key block gathers rows of several pages, and a descriptor tile is one rectangle of
+        one matrix.
 
 Config (backend tuning tables): ``BLOCK_M`` (the most packed rows a tile holds; the launcher
 uses the smallest power of two >= 16 that covers ``Nq * GROUP`` up to it), ``BLOCK_N`` (keys
@@ -78,11 +87,11 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
-from . import _attn_mods, _host, kv_cache_write
+from . import _attn_mods, _host, flash_attn, kv_cache_write
 
 NAME = "flash_attn_with_kvcache"
 
-SWITCHES = {"UPCAST": False}
+SWITCHES = {"UPCAST": False, "TMA": False}
 #: Programs for about this many waves of the multiprocessors, when ``num_splits=0``.
 WAVES = 2
 #: The most splits :func:`pick_splits` chooses (each adds a partial row to merge).
@@ -142,7 +151,7 @@ def _flash_attn_with_kvcache_kernel(
     HAS_SEQLENS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    TABLE_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     # --- program id to (split, sequence, K/V head, packed rows) -------------------------------
     split = tl.program_id(0)
@@ -190,6 +199,20 @@ def _flash_attn_with_kvcache_kernel(
     else:
         alibi2 = 0.0
 
+    # --- K/V sources: pointers, or tensor descriptors -----------------------------------------
+    # With TMA, descriptors of this (sequence, K/V head)'s (n_k, D) matrices of K and V,
+    # built once here. Their shape stops at n_k, so the copy engine reads rows past the
+    # sequence (unwritten slots, maybe NaN) and columns past D as zeros, and the tiles need
+    # no load masks. A paged cache keeps pointer loads even with TMA on: a key block
+    # gathers rows from several pages (16-row pages under 32- or 64-key blocks), and a
+    # descriptor tile is one rectangle of one matrix.
+    DESCRIPTORS: tl.constexpr = TMA and PAGE == 0
+    if DESCRIPTORS:
+        k_src = flash_attn._seq_source(K + b.to(tl.int64) * s_kb + hk.to(tl.int64) * s_kh,
+                                       n_k, s_kn, D, BLOCK_N, BLOCK_D, True)
+        v_src = flash_attn._seq_source(V + b.to(tl.int64) * s_vb + hk.to(tl.int64) * s_vh,
+                                       n_k, s_vn, D, BLOCK_N, BLOCK_D, True)
+
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -219,10 +242,17 @@ def _flash_attn_with_kvcache_kernel(
         else:
             blk = tl.zeros([BLOCK_N], tl.int64) + b
             row = offs_n.to(tl.int64)
-        # K is loaded transposed ([BLOCK_D, BLOCK_N], a strided view) so that q·kᵀ needs
-        # no tl.trans.
-        kt = tl.load(K + blk[None, :] * s_kb + row[None, :] * s_kn + hk * s_kh
-                     + offs_d[:, None] * s_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        # K is loaded transposed ([BLOCK_D, BLOCK_N], a strided view; with descriptors a
+        # view of the copied [BLOCK_N, BLOCK_D] buffer) so that q·kᵀ needs no tl.trans.
+        # Descriptor tiles may hold keys past this split's end (the next split's, real and
+        # finite): the score mask below drops them, as it drops the masked pointer loads.
+        if DESCRIPTORS:
+            kt = flash_attn._read_seq_tile(k_src, start_n, 0, offs_n, offs_d, s_kn, s_kd, n_k,
+                                           D, True, True, True, False, True)
+        else:
+            kt = tl.load(K + blk[None, :] * s_kb + row[None, :] * s_kn + hk * s_kh
+                         + offs_d[:, None] * s_kd, mask=n_ok[None, :] & d_ok[:, None],
+                         other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         s2 = tl.dot(q, kt) * sm_scale2
@@ -239,8 +269,12 @@ def _flash_attn_with_kvcache_kernel(
         p = tl.math.exp2(s2 - shift[:, None])
         alpha = tl.math.exp2(m - shift)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + blk[:, None] * s_vb + row[:, None] * s_vn + hk * s_vh
-                    + offs_d[None, :] * s_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if DESCRIPTORS:
+            v = flash_attn._read_seq_tile(v_src, start_n, 0, offs_n, offs_d, s_vn, s_vd, n_k, D,
+                                          True, True, False, False, True)
+        else:
+            v = tl.load(V + blk[:, None] * s_vb + row[:, None] * s_vn + hk * s_vh
+                        + offs_d[None, :] * s_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
         else:
@@ -573,6 +607,24 @@ def _grid(plan, n_rows: int, heads: int, capacity: int, d: int, itemsize: int,
     return block_m, block_n, extra, warps, m_tiles, splits, block_d, stages, ahead
 
 
+def _describable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether tensor descriptors (the ``TMA`` switch) fit each (sequence, K/V head)'s
+    (N_max, D) matrix of contiguous caches (B, N_max, H_kv, D): unit stride along D, rows
+    not overlapping, and 16-byte aligned base addresses and batch, row and head strides
+    (the batch and head strides offset each program's base; where there is one sequence or
+    one K/V head they offset nothing). A few integer tests: it runs on every call."""
+    align = 16 // k_cache.element_size()  # one dtype (check() saw to it); a power of two
+    batch, _, h_kv, d = k_cache.shape
+    for t in (k_cache, v_cache):
+        s_b, s_n, s_h, s_d = t.stride()
+        if s_d != 1 and d > 1:
+            return False
+        if (t.data_ptr() % 16 or s_n % align or s_n < d or (batch > 1 and s_b % align)
+                or (h_kv > 1 and s_h % align)):
+            return False
+    return True
+
+
 def launch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
            cache_seqlens: torch.Tensor | int | None = None,
@@ -625,22 +677,38 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
     else:
         part_o = part_lse = lse  # unused
     placeholder = lse
-    _host.launcher(plan, _flash_attn_with_kvcache_kernel)[(splits, batch * h_kv, m_tiles)](
-        q, k_cache, v_cache, out, lse, part_o, part_lse,
-        placeholder if c.seqlens is None else c.seqlens,
-        placeholder if block_table is None else block_table,
-        placeholder if o.alibi is None else o.alibi,
-        placeholder if o.sinks is None else o.sinks,
-        batch, h_kv, n_q, d, c.seqlen_const, c.n_new, c.scale * _attn_mods.LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        *((0, 0) if block_table is None else block_table.stride()),
-        *out.stride(), *lse.stride(), *((0, 0) if o.alibi is None else o.alibi.stride()),
-        o.left, o.right, o.softcap2,
-        GROUP=group, PAGE=k_cache.shape[1] if c.paged else 0, NUM_SPLITS=splits,
-        HAS_SEQLENS=c.seqlens is not None, CAUSAL=o.causal, WINDOW=o.window,
-        SOFTCAP=o.softcap2 > 0, ALIBI=o.alibi is not None, SINKS=o.sinks is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, TABLE_AHEAD=ahead and c.paged,
-        num_warps=warps, num_stages=stages, **plan.switches, **extra)
+    switches = plan.switches
+    # TMA applies to contiguous caches only (the kernel ignores it for a paged one); one
+    # whose layout no descriptor fits takes pointer loads for this call.
+    tma = switches["TMA"] and not c.paged
+    if tma and not _describable(k_cache, v_cache):
+        tma = False
+        switches = {**switches, "TMA": False}
+    # Device-side descriptors need global scratch memory at launch. Entered by hand rather
+    # than in a `with`, so that calls without descriptors (the common path) pay nothing.
+    scratch = _host.scratch_allocator(q.device) if tma else None
+    if scratch is not None:
+        scratch.__enter__()
+    try:
+        _host.launcher(plan, _flash_attn_with_kvcache_kernel)[(splits, batch * h_kv, m_tiles)](
+            q, k_cache, v_cache, out, lse, part_o, part_lse,
+            placeholder if c.seqlens is None else c.seqlens,
+            placeholder if block_table is None else block_table,
+            placeholder if o.alibi is None else o.alibi,
+            placeholder if o.sinks is None else o.sinks,
+            batch, h_kv, n_q, d, c.seqlen_const, c.n_new, c.scale * _attn_mods.LOG2E,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            *((0, 0) if block_table is None else block_table.stride()),
+            *out.stride(), *lse.stride(), *((0, 0) if o.alibi is None else o.alibi.stride()),
+            o.left, o.right, o.softcap2,
+            GROUP=group, PAGE=k_cache.shape[1] if c.paged else 0, NUM_SPLITS=splits,
+            HAS_SEQLENS=c.seqlens is not None, CAUSAL=o.causal, WINDOW=o.window,
+            SOFTCAP=o.softcap2 > 0, ALIBI=o.alibi is not None, SINKS=o.sinks is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, TABLE_AHEAD=ahead and c.paged,
+            num_warps=warps, num_stages=stages, **switches, **extra)
+    finally:
+        if scratch is not None:
+            scratch.__exit__(None, None, None)
     if splits > 1:
         rows = batch * n_q * h
         block_r = cfg.kwargs.get("BLOCK_R", 16)
