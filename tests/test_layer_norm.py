@@ -165,3 +165,54 @@ def test_empty(shape, device):
     out.sum().backward()
     assert x.grad.shape == x.shape and w.grad.shape == (n,) and b.grad.shape == (n,)
     assert torch.all(w.grad == 0) and torch.all(b.grad == 0)
+
+
+def test_rows_wider_than_the_tile_take_wide_row_warps(monkeypatch):
+    """WIDE_ROW_WARPS (the A/B knob for 8192-column rows): unset, the config's warps; set,
+    it applies to a row wider than TILE only, within 1024 threads a program."""
+    import triton
+
+    from portable_kernels import plugins
+    from portable_kernels.kernels import layer_norm as fam
+    from portable_kernels.launch import LaunchPlan
+
+    host = plugins.host()
+    variant = next(iter(host.registry.variants["layer_norm"].values()))
+    cfg = triton.Config({"MAX_BLOCK_N": 8192, "TILE": 4096, "GROUPS": 64}, num_warps=8)
+
+    def blocks(profile, n_rows, n_cols):
+        plan = LaunchPlan(variant, host.emulation_profile(profile), [cfg], variant.switches)
+        return fam._blocks(plan, n_rows, n_cols)
+
+    assert blocks("h200", 32768, 8192) == (1, 8192, 8)
+    assert blocks("h200", 32768, 4096) == (1, 4096, 8)
+    monkeypatch.setattr(fam, "WIDE_ROW_WARPS", 16)
+    assert blocks("h200", 32768, 8192) == (1, 8192, 16)
+    assert blocks("h200", 32768, 5000) == (1, 8192, 16)
+    assert blocks("h200", 32768, 4096) == (1, 4096, 8)  # fits the tile: unchanged
+    assert blocks("h200", 3, 2048) == (2, 2048, 8)
+    monkeypatch.setattr(fam, "WIDE_ROW_WARPS", 32)
+    assert blocks("h200", 8, 8192) == (1, 8192, 32)
+    assert blocks("mi300x", 8, 8192) == (1, 8192, 16)  # 64-lane wavefronts: 1024 threads
+
+
+@pytest.mark.parametrize("warps", [8, 16])
+def test_wide_rows_with_either_warp_count(device, gen, warps, monkeypatch):
+    """8192-column rows (wider than a GPU config's 4096-element tile) forward and backward
+    at the config's warps and at WIDE_ROW_WARPS = 16: the same results."""
+    from portable_kernels.kernels import layer_norm as fam
+
+    if device.type == "cpu":
+        pytest.skip("the interpreter's config has no row wider than its tile")
+    monkeypatch.setattr(fam, "WIDE_ROW_WARPS", None if warps == 8 else warps)
+    shape = (300, 8192)
+    x, w, b = _inputs(shape, gen, device, torch.bfloat16, requires_grad=True)
+    dy = torch.randn(shape, generator=gen).to(device, torch.bfloat16)
+    out = pk.get_kernel("layer_norm")(x, w, b)
+    out.backward(dy)
+    ref, (dx, dw, db) = _reference_grads(x, w, b, dy)
+    tol = tolerance(torch.bfloat16, "reduction")
+    assert_close(out, ref, tol, "out")
+    assert_close(x.grad, dx, _dx_tolerance(tol, x, w, dy), "dx")
+    assert_close(w.grad, dw, _column_sum_tolerance(tol, x, dy), "dweight")
+    assert_close(b.grad, db, _column_sum_tolerance(tol, x, dy), "dbias")

@@ -36,8 +36,9 @@ and kept in registers, in the forward and in the backward; every norm takes it).
 ``MAX_BLOCK_N`` (widest column chunk), ``TILE`` (elements per program tile, so
 ``BLOCK_M = TILE // BLOCK_N`` rows),
 ``GROUPS`` (most partial rows for dweight/dbias of rows longer than a chunk),
-``PROGRAMS_PER_SM`` (optional, default 4: the ``ONE_CHUNK`` backward's programs per
-multiprocessor) and ``num_warps`` (the most a program uses; small tiles use fewer).
+``PROGRAMS_PER_SM`` (optional, default :data:`PROGRAMS_PER_SM`: the ``ONE_CHUNK``
+backward's programs per multiprocessor) and ``num_warps`` (the most a program uses; small
+tiles use fewer; a row wider than ``TILE`` takes :data:`WIDE_ROW_WARPS` where set).
 """
 from __future__ import annotations
 
@@ -404,6 +405,20 @@ def _check(x, weight, bias, eps) -> None:
 
 _INF = float("inf")
 
+#: The one-chunk backward's programs per multiprocessor where the config has no
+#: ``PROGRAMS_PER_SM``.
+PROGRAMS_PER_SM = 4
+
+#: Warps of a program whose one row is wider than the config's ``TILE`` (8192 columns
+#: under a 4096-element tile), or None for the config's ``num_warps``. At 8 warps such a
+#: row leaves each thread 32 columns of x, dy, w and the dweight/dbias accumulators: for
+#: sm_90 the one-chunk dx kernel compiles to 242 registers (layer_norm; rms_norm 198), one
+#: program of 8 warps per multiprocessor, against 128 registers and two programs at 4096
+#: columns; at 16 warps to 128 (106), no spills. The 8192-column backwards run 0.93-0.96x
+#: Liger's (docs/performance.md). Not yet timed: ``bench/layers.py --backward --set
+#: layer_norm.WIDE_ROW_WARPS=16`` is the A/B.
+WIDE_ROW_WARPS: int | None = None
+
 
 def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of ``n_cols`` from the plan's config."""
@@ -412,6 +427,9 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     block_m = max(1, min(cfg.kwargs["TILE"] // block_n, _host.next_power_of_2(n_rows)))
     # Roughly 8 fp32 values per thread per tile: fewer warps for small tiles.
     num_warps = max(1, min(cfg.num_warps, block_m * block_n // 256))
+    if WIDE_ROW_WARPS is not None and block_n > cfg.kwargs["TILE"]:
+        # Within the 1024 threads a program may have.
+        num_warps = min(WIDE_ROW_WARPS, max(1, 1024 // max(plan.device.warp_size, 1)))
     return block_m, block_n, num_warps
 
 
@@ -472,7 +490,7 @@ def _backward(plan, dy, rows, weight, mean, rstd, rms: bool = False, offset: flo
         # One partial row per program, each program a few tiles: enough programs to keep
         # every multiprocessor busy (PROGRAMS_PER_SM), few enough that the partial rows
         # stay a small fraction of the traffic.
-        n_programs = min(n_tiles, plan.config.kwargs.get("PROGRAMS_PER_SM", 4)
+        n_programs = min(n_tiles, plan.config.kwargs.get("PROGRAMS_PER_SM", PROGRAMS_PER_SM)
                          * max(1, plan.device.num_sms))
         n_groups = n_programs
         new = torch.empty
