@@ -290,11 +290,13 @@ def _short(dtype: torch.dtype) -> str:
 
 def memory_bound_cases(kernel: str):
     """The memory-bound families: each config of each selectable variant, in each dtype,
-    on a short and a long row (one pass and the chunked loop) where rows matter."""
+    on a short and a long row (one pass and the chunked loop) where rows matter; the norms
+    also on the widest row a GPU config keeps in registers (8192 columns, one chunk: their
+    most registers)."""
     shapes = {"vector_add": ["4099"], "dropout": ["4099"], "asin": ["4099"],
-              "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000"],
-              "rms_norm": ["8x1000", "8x20000"], "swiglu": ["8x5000"], "geglu": ["8x5000"],
-              "rope": ["1x256x32x128"], "add_rms_norm": ["8x1000", "8x20000"],
+              "softmax": ["4x1000", "4x20000"], "layer_norm": ["8x1000", "8x20000", "8x8192"],
+              "rms_norm": ["8x1000", "8x20000", "8x8192"], "swiglu": ["8x5000"], "geglu": ["8x5000"],
+              "rope": ["1x256x32x128"], "add_rms_norm": ["8x1000", "8x20000", "8x8192"],
               "kv_cache_write": ["40x8x16x8x128"]}[kernel]
 
     def cases(host, device, quick: bool):
