@@ -210,15 +210,21 @@ def _hsaco_usage(amdgcn: str) -> tuple[int | None, int, int]:
 
 # --- what a target selects --------------------------------------------------------------
 
-def selectable(host, device, kernel: str) -> list[str]:
+#: Whether the cases also compile variants that run only when forced (``--forced``).
+FORCED = False
+
+
+def selectable(host, device, kernel: str, forced: bool | None = None) -> list[str]:
     """Variants of ``kernel`` that ``device``'s dispatch can choose: requirements met and a
-    priority of 0 or more (a lower one ranks under generic: it runs only when forced)."""
+    priority of 0 or more (a lower one ranks under generic: it runs only when forced);
+    with ``forced`` (default :data:`FORCED`) those too."""
+    floor = -math.inf if (FORCED if forced is None else forced) else 0
     out = []
     for v in host.registry.variants[kernel].values():
         if v.missing(device):
             continue
         priority = v.priority(device) if callable(v.priority) else v.priority
-        if priority >= 0:
+        if priority >= floor:
             out.append(v.name)
     return out
 
@@ -228,7 +234,7 @@ def selected(host, device, kernel: str) -> str:
     def rank(name: str) -> int:
         v = host.registry.variants[kernel][name]
         return v.priority(device) if callable(v.priority) else v.priority
-    names = selectable(host, device, kernel)
+    names = selectable(host, device, kernel, forced=False)
     return min(names, key=lambda n: (-rank(n), n)) if names else ""  # dispatch's order
 
 
@@ -756,7 +762,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--portability", default=None,
                         help="write the target x family summary table here")
     parser.add_argument("--verbose", action="store_true", help="print each case as it compiles")
+    parser.add_argument("--forced", action="store_true",
+                        help="also the variants that run only when forced (priority below 0)")
     args = parser.parse_args(argv)
+    global FORCED
+    FORCED = args.forced
     targets = [t for t in args.targets.split(",") if t]
     families = [f for f in args.families.split(",") if f]
     for bad in [t for t in targets if t not in TARGETS] + [f for f in families if f not in FAMILIES]:

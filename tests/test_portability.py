@@ -209,6 +209,22 @@ def test_compile_matrix_selects_what_dispatch_selects():
     assert "float8_e4m3fnuz" in lines["gfx942"][3] and "float8_e4m3fn'" in lines["gfx950"][3]
 
 
+def test_compile_matrix_takes_forced_only_variants_when_asked():
+    """--forced adds the variants ranked under generic (flash_attn_with_kvcache's
+    nvidia.hopper on sm_90) to the cases, never to what dispatch is said to select."""
+    code = (
+        "import sys; sys.path.insert(0, 'ci'); import compile_matrix as cm, os\n"
+        "from portable_kernels import plugins\n"
+        "host = plugins.host(); dev = host.emulation_profile('h200'); k = 'flash_attn_with_kvcache'\n"
+        "print(','.join(cm.selectable(host, dev, k)))\n"
+        "cm.FORCED = True\n"
+        "print(','.join(cm.selectable(host, dev, k)), cm.selected(host, dev, k))\n"
+        "os._exit(0)\n")
+    plain, forced = _in_fresh_process(code).stdout.split("\n")[:2]
+    assert plain == "generic"
+    assert forced.split() == ["generic,nvidia.hopper", "generic"]
+
+
 @pytest.mark.parametrize("target", ["sm_100", "gfx942", "gfx1100"])
 def test_compile_matrix_compiles_a_family(target, tmp_path):
     """One family end to end for a target the machine cannot run: every kernel compiles,
