@@ -59,9 +59,9 @@ def table_configs(table: dict, kernel: str, variant: str, device) -> "list[trito
 
 
 def max_warps(device) -> int:
-    """The most warps a program may have: warps x lanes stays within 1024 threads (so 16
-    on 64-lane devices)."""
-    return max(1, 1024 // device.warp_size)
+    """The most warps a program may have (``DeviceInfo.max_warps``: warps x lanes stays
+    within 1024 threads, so 16 on 64-lane devices)."""
+    return device.max_warps
 
 
 # --- configs shared by every GPU backend --------------------------------------------------

@@ -112,6 +112,12 @@ class DeviceInfo:
         return f"{self.vendor}-{self.arch}-{name}-{self.num_sms}sm-triton{self.triton_version}"
 
     @property
+    def max_warps(self) -> int:
+        """The most warps a program may have: warps x lanes stays within 1024 threads (so
+        16 on 64-lane devices; a kernel past it fails to launch or to compile)."""
+        return max(1, 1024 // max(self.warp_size, 1))
+
+    @property
     def has_run(self) -> bool:
         """True where the backend says its kernels have executed on this architecture
         (``evidence`` starts with ``"run: "``); False where it says they have not, or

@@ -428,8 +428,7 @@ def _blocks(plan, n_rows: int, n_cols: int) -> tuple[int, int, int]:
     # Roughly 8 fp32 values per thread per tile: fewer warps for small tiles.
     num_warps = max(1, min(cfg.num_warps, block_m * block_n // 256))
     if WIDE_ROW_WARPS is not None and block_n > cfg.kwargs["TILE"]:
-        # Within the 1024 threads a program may have.
-        num_warps = min(WIDE_ROW_WARPS, max(1, 1024 // max(plan.device.warp_size, 1)))
+        num_warps = min(WIDE_ROW_WARPS, plan.device.max_warps)
     return block_m, block_n, num_warps
 
 
