@@ -284,6 +284,16 @@ class scratch_allocator:
         _allocation._allocator.reset(self._token)
 
 
+_NO_SCRATCH = contextlib.nullcontext()  # reusable: it holds no state
+
+
+def scratch(device: torch.device, descriptors: bool) -> Any:
+    """``with scratch(device, descriptors):`` around a launch: :class:`scratch_allocator`
+    where the kernel builds device-side descriptors, else a shared no-op context (no
+    allocation per call on the pointer-load path)."""
+    return scratch_allocator(device) if descriptors else _NO_SCRATCH
+
+
 def launcher(plan: Any, kernel: Any) -> Any:
     """``kernel`` (a ``@triton.jit`` or Gluon kernel) through ``plan``'s direct launches
     (``LaunchPlan.direct``: on NVIDIA GPUs a seen call launches its compiled binary), or as

@@ -116,7 +116,6 @@ first that fits.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -1040,16 +1039,27 @@ def _descriptor_issue(d: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         if t.is_contiguous() and d % align == 0 and t.data_ptr() % 16 == 0:
             continue
         sb, sh, sn, sd = t.stride()
-        if sd != 1 and d > 1:
-            return f"{name}'s head dim is not contiguous (stride(-1) != 1)"
-        ptr = t.data_ptr()
-        if ptr % 16 == 0 and (sb | sh | sn) % align == 0 and sn >= d:
-            continue
-        # Batch and head strides do not matter where there is one batch or head.
-        nb, nh = t.shape[0], t.shape[1]
-        if ptr % 16 or sn % align or sn < d or (nb > 1 and sb % align) or (nh > 1 and sh % align):
-            return (f"{name}'s base address or batch/head/sequence strides are not multiples "
-                    "of 16 bytes (or its rows overlap)")
+        issue = matrix_issue(t, d, sb, sh, sn, sd, t.shape[0], t.shape[1])
+        if issue:
+            return f"{name}'s {issue}"
+    return ""
+
+
+def matrix_issue(t: torch.Tensor, d: int, sb: int, sh: int, sn: int, sd: int, nb: int,
+                 nh: int) -> str:
+    """Why a tensor descriptor cannot describe each of ``t``'s ``nb`` x ``nh`` (N, D)
+    matrices (``sb``, ``sh``: the strides between them; ``sn`` between rows, ``sd`` along
+    D; head dim ``d``), or "": unit stride along D, and 16-byte aligned base address and
+    strides. The batch and head strides offset each matrix's base, so they count where
+    there is more than one batch or head. Shared with flash_attn_with_kvcache, whose
+    caches hold the same matrices in (B, N, H, D) order."""
+    if sd != 1 and d > 1:
+        return "head dim is not contiguous (stride(-1) != 1)"
+    align = 16 // t.element_size()  # a power of two
+    if (t.data_ptr() % 16 or sn % align or sn < d or (nb > 1 and sb % align)
+            or (nh > 1 and sh % align)):
+        return ("base address or batch/head/sequence strides are not multiples of 16 bytes "
+                "(or its rows overlap)")
     return ""
 
 
@@ -1389,7 +1399,7 @@ def _backward(plan, do, q, k, v, out, lse, causal: bool, scale: float, mods: Mod
         dq = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
     else:
         dq = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
-    with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
+    with _host.scratch(q.device, tma):
         _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, dkdv_m, dkdv_n,
                      upcast, tma, dkdv_opts, plan, mods)
         _launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n, upcast, tma, dq_opts,

@@ -609,18 +609,13 @@ def _grid(plan, n_rows: int, heads: int, capacity: int, d: int, itemsize: int,
 
 def _describable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether tensor descriptors (the ``TMA`` switch) fit each (sequence, K/V head)'s
-    (N_max, D) matrix of contiguous caches (B, N_max, H_kv, D): unit stride along D, rows
-    not overlapping, and 16-byte aligned base addresses and batch, row and head strides
-    (the batch and head strides offset each program's base; where there is one sequence or
-    one K/V head they offset nothing). A few integer tests: it runs on every call."""
-    align = 16 // k_cache.element_size()  # one dtype (check() saw to it); a power of two
+    (N_max, D) matrix of contiguous caches (B, N_max, H_kv, D): ``flash_attn``'s test of
+    its (B, H, N, D) operands, with the strides in the cache's order. Runs on every call of
+    the variant."""
     batch, _, h_kv, d = k_cache.shape
     for t in (k_cache, v_cache):
         s_b, s_n, s_h, s_d = t.stride()
-        if s_d != 1 and d > 1:
-            return False
-        if (t.data_ptr() % 16 or s_n % align or s_n < d or (batch > 1 and s_b % align)
-                or (h_kv > 1 and s_h % align)):
+        if flash_attn.matrix_issue(t, d, s_b, s_h, s_n, s_d, batch, h_kv):
             return False
     return True
 
@@ -684,12 +679,8 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
     if tma and not _describable(k_cache, v_cache):
         tma = False
         switches = {**switches, "TMA": False}
-    # Device-side descriptors need global scratch memory at launch. Entered by hand rather
-    # than in a `with`, so that calls without descriptors (the common path) pay nothing.
-    scratch = _host.scratch_allocator(q.device) if tma else None
-    if scratch is not None:
-        scratch.__enter__()
-    try:
+    # Device-side descriptors need global scratch memory at launch.
+    with _host.scratch(q.device, tma):
         _host.launcher(plan, _flash_attn_with_kvcache_kernel)[(splits, batch * h_kv, m_tiles)](
             q, k_cache, v_cache, out, lse, part_o, part_lse,
             placeholder if c.seqlens is None else c.seqlens,
@@ -706,9 +697,6 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
             SOFTCAP=o.softcap2 > 0, ALIBI=o.alibi is not None, SINKS=o.sinks is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, TABLE_AHEAD=ahead and c.paged,
             num_warps=warps, num_stages=stages, **switches, **extra)
-    finally:
-        if scratch is not None:
-            scratch.__exit__(None, None, None)
     if splits > 1:
         rows = batch * n_q * h
         block_r = cfg.kwargs.get("BLOCK_R", 16)

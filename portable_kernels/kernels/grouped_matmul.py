@@ -35,7 +35,6 @@ groups and the largest group's sizes rounded up to powers of two.
 from __future__ import annotations
 
 import array
-import contextlib
 from typing import NamedTuple, Sequence
 
 import torch
@@ -341,7 +340,7 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
         configs=operand_configs(plan.configs, size),
         prune_configs_by={"early_config_prune": _prune},
         name="" if size == 2 else f"{size}-byte operands"))
-    with _host.scratch_allocator(device) if plan.switches.get("TMA", False) else contextlib.nullcontext():
+    with _host.scratch(device, plan.switches.get("TMA", False)):
         kernel[grid](
             table, len(tiles_of), *keys,
             DTYPE=_TL_DTYPES[dtype], OUT_DTYPE=_TL_DTYPES[result], VEC=16 // size,

@@ -52,7 +52,6 @@ kernel.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from typing import NamedTuple
@@ -514,7 +513,7 @@ def launch(plan, a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = No
             torch.zeros(1, dtype=torch.int32, device=a.device)))
     # An accumulating launch has its own key: the same tuned config, another binary.
     run_key = problem_key if acc is None else (*problem_key, "acc")
-    with _host.scratch_allocator(a.device) if tma else contextlib.nullcontext():
+    with _host.scratch(a.device, tma):
         plan.run_tuned(
             kernel, run_key, grid,
             a, b, out, partials, counters, M, N, K,

@@ -15,7 +15,6 @@ calls run the family's backward with the variant's switches and table, ``nvidia.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -96,7 +95,7 @@ def backward(plan, do, q, k, v, out, lse, causal: bool, scale: float, mods=None,
     else:
         dq = torch.empty((b, h, n_q, d), dtype=q.dtype, device=q.device)
         tma = plan.switches["TMA"] and max(n_q, n_k) >= setup.tma_min_seq
-        with _host.scratch_allocator(q.device) if tma else contextlib.nullcontext():
+        with _host.scratch(q.device, tma):
             kernels.backward(q, k, v, do, lse, delta, dk, dv, causal, scale, plan=plan)
             family._launch_dq(q, k, v, do, lse, delta, dq, causal, scale, dq_m, dq_n,
                               plan.switches["UPCAST"], tma, setup.dq_options, plan, mods)
