@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import triton
 
+from . import _replay
+
 __all__ = ["DirectLaunch", "describe", "supported"]
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,14 @@ class DirectLaunch:
         return lambda *args, **kwargs: self(grid, args, kwargs)
 
     def __call__(self, grid: Any, args: tuple, kwargs: dict) -> None:
+        if _replay.RECORDING:
+            recorder = _replay.recorder()
+            if recorder is not None:
+                recorder.launch(self, grid, args, kwargs, self._run)
+                return
+        self._run(grid, args, kwargs)
+
+    def _run(self, grid: Any, args: tuple, kwargs: dict) -> None:
         if self.guarded:
             device = torch._C._cuda_getDevice()
             try:

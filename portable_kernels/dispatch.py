@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from . import _context, plugins
+from . import _context, _replay, plugins
 from .device import DeviceInfo
 from .errors import ArgumentError, DeviceError, NoVariantError, VariantUnavailableError
 from .launch import LaunchPlan, launch_guard
@@ -305,7 +305,8 @@ class KernelHandle:
     so compiled code may call handles as eager code does.
     """
 
-    __slots__ = ("name", "_host", "_problem", "_cache", "summary", "_traced", "_grad_op")
+    __slots__ = ("name", "_host", "_problem", "_cache", "_replays", "summary", "_traced",
+                 "_grad_op")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -324,6 +325,13 @@ class KernelHandle:
         spec = host.registry.spec(self.name)
         self._problem = spec.problem
         self._cache = host.plans.setdefault(spec.name, {})
+        # Replays of seen calls (_replay), where a variant of the family opts in.
+        replays = None
+        if any(v.replay for v in host.registry.variants.get(spec.name, {}).values()):
+            replays = host.replays.get(spec.name)
+            if replays is None:
+                replays = host.replays[spec.name] = _replay.Replays(spec.name)
+        self._replays = replays
         self.summary = f"{spec.name}{spec.signature}: {spec.summary}"
         # For a kernel without an operator, the call itself behind a graph break: under
         # torch.compiler.disable it runs eagerly, where _compiling() is False.
@@ -341,6 +349,22 @@ class KernelHandle:
             # A family whose launcher returns no grad_fn: its operator carries the gradient
             # (inside it grad mode is off, so this does not recurse).
             return self._grad_op(*args, **kwargs)
+        replays = self._replays
+        if replays is not None:
+            # A signature seen before replays its recorded allocations and launches.
+            signature = replays.signature(args, kwargs)
+            if signature is not None:
+                recipe = replays.recipes.get(signature[0], _replay.UNSEEN)
+                if recipe is _replay.UNSEEN:
+                    return replays.call(signature[0], self._launch, args, kwargs)
+                if recipe is not None:
+                    out = recipe(args, kwargs, signature[1])
+                    if out is not _replay.DECLINED:
+                        return out
+        return self._launch(args, kwargs)
+
+    def _launch(self, args: tuple, kwargs: dict) -> Any:
+        """The full path of a call: its problem, its plan, the family's launcher."""
         try:
             key = (self._problem(*args, **kwargs), _context.current.get())
         except TypeError as exc:
@@ -349,6 +373,8 @@ class KernelHandle:
         if plan is None:
             plan = self._resolve(key)
         guard = launch_guard(key[0].device)
+        if _replay.RECORDING:
+            _replay.note_plan(plan, guard)
         if guard is None:
             return plan.launch(plan, *args, **kwargs)
         with guard:

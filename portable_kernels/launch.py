@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.testing
 
-from . import _direct, _interpreter, tuning_cache
+from . import _direct, _interpreter, _replay, tuning_cache
 from . import _autotuner
 from .device import DeviceInfo
 from .registry import Variant
@@ -237,6 +237,8 @@ class LaunchPlan:
         if chosen is not None:
             chosen(grid, args, kwargs)
             return
+        if _replay.RECORDING:
+            _replay.unrecordable("an autotuner launch", final=False)
         tuned[grid](*args, **kwargs)
         config = getattr(tuned, "best_config", None)
         if config is not None and config.pre_hook is None:
@@ -268,6 +270,8 @@ class LaunchPlan:
         value = self._tuned.get(key)
         if value is None:
             value = self._tuned[key] = build()
+        if _replay.RECORDING:
+            _replay.note_constant(value)
         return value
 
     def __repr__(self) -> str:

@@ -181,6 +181,8 @@ class PluginHost:
         # Selection caches; see dispatch.py. Cleared whenever the set of plugins changes.
         self.plans: dict[str, dict] = {}
         self.launch_plans: dict[tuple, Any] = {}
+        #: kernel name -> its recorded calls (``_replay.Replays``), shared by its handles.
+        self.replays: dict[str, Any] = {}
         self._devices: dict[torch.device, DeviceInfo] = {}
 
         if catalog:
@@ -448,6 +450,8 @@ class PluginHost:
         for cache in self.plans.values():
             cache.clear()
         self.launch_plans.clear()
+        for replays in self.replays.values():
+            replays.clear()  # also re-reads PK_REPLAY
         self._devices.clear()
 
 

@@ -85,6 +85,12 @@ class Variant:
         configs: ``configs(device) -> list[triton.Config]``: default configs; a backend's
             ``pk_tuning_configs`` answer for the device overrides them.
         description: one line saying what technique the variant uses.
+        replay: whether a call's host work is a function of its signature alone (see
+            ``portable_kernels._replay``): ``launch`` checks, allocates, makes views and
+            launches through the plan's direct launches, and nothing else (no other torch
+            operator, no value read on the host, no random draw, no state kept between
+            calls). A handle then replays a seen signature's allocations and launches
+            without running ``launch``; calls it cannot replay keep the full path.
         plugin: the plugin that registered it (filled in by the registry).
     """
 
@@ -97,6 +103,7 @@ class Variant:
     switches: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     configs: Callable[[DeviceInfo], list] | None = None
     description: str = ""
+    replay: bool = False
     plugin: str = ""
 
     def __post_init__(self) -> None:

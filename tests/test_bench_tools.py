@@ -324,8 +324,9 @@ def test_plots_drawn_through_perf_report(tmp_path):
 
 
 def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
-    """Each pass of bench/host_per_call.py sets PK_DIRECT_LAUNCH and PK_C_LAUNCHER and drops
-    the plans, so the calls it times run on plans built under that setting."""
+    """Each pass of bench/host_per_call.py sets PK_DIRECT_LAUNCH, PK_C_LAUNCHER and
+    PK_REPLAY and drops the plans (and recorded calls), so the calls it times run on plans
+    built under that setting."""
     bench = _load("host_per_call")
     x = torch.randn(64, device=device)
     handle = pk.get_kernel("vector_add")
@@ -334,7 +335,8 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
     def cases():
         def ours():
             handle(x, x)
-            seen.append((os.environ.get("PK_DIRECT_LAUNCH"), handle.plan(x, x)))
+            seen.append((os.environ.get("PK_DIRECT_LAUNCH"), os.environ.get("PK_REPLAY"),
+                         handle.plan(x, x)))
         return {"vector_add": {"ours": ours, "torch": lambda: x + x}}
 
     monkeypatch.setattr(bench, "cases", cases)
@@ -343,16 +345,18 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
     handle(x, x)
     before = handle.plan(x, x)
     monkeypatch.delenv("PK_C_LAUNCHER", raising=False)
+    monkeypatch.delenv("PK_REPLAY", raising=False)
     results = [bench.measure(1, env) for env in bench.SETTINGS.values()]
     assert results[0] == {"vector_add": {"ours": 1.0, "torch": 1.0}}
-    assert [flag for flag, _ in seen] == ["1", "1", "0"]
-    plans = [plan for _, plan in seen]
-    assert plans[0] is not before and plans[1] is not plans[0] and plans[2] is not plans[1]
+    assert [(direct, replay) for direct, replay, _ in seen] == [
+        ("1", ""), ("1", "0"), ("1", ""), ("0", "")]
+    plans = [plan for *_, plan in seen]
+    assert plans[0] is not before and all(b is not a for a, b in zip(plans, plans[1:]))
     # Nothing of the last pass outlives it: neither the variables nor plans built under
     # them (they would keep later calls of the process off direct launches).
-    assert "PK_DIRECT_LAUNCH" not in os.environ and "PK_C_LAUNCHER" not in os.environ
+    assert not {"PK_DIRECT_LAUNCH", "PK_C_LAUNCHER", "PK_REPLAY"} & os.environ.keys()
     after = handle.plan(x, x)
-    assert after is not plans[2]
+    assert after is not plans[-1]
 
 
 @pytest.mark.parametrize("script", ["flash_attn", "matmul"])

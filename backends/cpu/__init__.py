@@ -110,7 +110,7 @@ def pk_register_variants(registry):
 
     registry.add_variant(Variant(
         "asin", "cpu.polynomial", asin.launch, accepts=_host.dtype_supported,
-        switches={"USE_LIBDEVICE": False}, configs=_host.elementwise_configs,
+        switches={"USE_LIBDEVICE": False}, configs=_host.elementwise_configs, replay=True,
         # A fallback: below generic wherever libdevice exists, the only runnable variant
         # where it does not (the interpreter). It requires nothing, so it runs anywhere.
         priority=-10,

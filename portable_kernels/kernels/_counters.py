@@ -30,6 +30,8 @@ import threading
 
 import torch
 
+from .. import _replay
+
 try:
     # The current stream's raw handle, as Triton's own launcher reads it: a C call, where
     # ``torch.cuda.current_stream`` builds a Stream object (about 11 µs per eager call
@@ -110,11 +112,15 @@ def _kept_buffer(store: dict, device: torch.device, n: int, make) -> torch.Tenso
     key, ident = where
     kept = store.get(key)
     if kept is not None and kept[0] == ident and kept[1].numel() >= n:
-        return kept[1]
-    with _lock:
-        size = max(_MIN, n if kept is None or kept[0] != ident else max(n, 2 * kept[1].numel()))
-        # Replacing the buffer of a finished capture drops it as the graph's intermediates
-        # are dropped: the graph keeps the memory (and counters' replays zero it first).
-        buf = make(size)
-        store[key] = (ident, buf)
+        buf = kept[1]
+    else:
+        with _lock:
+            size = max(_MIN, n if kept is None or kept[0] != ident else max(n, 2 * kept[1].numel()))
+            # Replacing the buffer of a finished capture drops it as the graph's
+            # intermediates are dropped: the graph keeps the memory (and counters'
+            # replays zero it first).
+            buf = make(size)
+            store[key] = (ident, buf)
+    if _replay.RECORDING:
+        _replay.note_kept(buf, key[1], ident)  # a replay may launch on it, on this stream
     return buf

@@ -212,5 +212,5 @@ def register(registry, name: str, gelu: bool, summary: str) -> None:
     registry.add_variant(Variant(
         name, "generic", launch_of(name, gelu), accepts=_host.dtype_supported,
         configs=_host.elementwise_configs,
-        description="one program per row block of columns, gate and up read in place "
+        replay=True, description="one program per row block of columns, gate and up read in place "
         "(also the halves of a fused gate-up tensor); backward in one kernel"))

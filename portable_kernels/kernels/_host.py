@@ -14,6 +14,7 @@ from triton.runtime import _allocation
 
 from ..device import DeviceInfo
 from ..errors import ArgumentError, DTypeError, InputError
+from .. import _replay
 from ..launch import launch_guard
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,7 +85,10 @@ def check_values() -> bool:
     """Whether checks that need tensor values on the host (a device sync: monotonic
     ``cu_seqlens``, target indices in range, block tables inside the cache) should run:
     ``PK_CHECK_VALUES=1``, which the conformance suite sets. Never on by default: such a check
-    would stall the stream on every call and break CUDA-graph capture."""
+    would stall the stream on every call and break CUDA-graph capture. A call being recorded
+    for replay notes that it asked (its replays decline while the checks are on)."""
+    if _replay.RECORDING:
+        _replay.note_value_checks()
     return os.environ.get("PK_CHECK_VALUES", "").strip().lower() in ("1", "true", "yes", "on")
 
 

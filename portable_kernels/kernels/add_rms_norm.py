@@ -124,5 +124,5 @@ def register(registry) -> None:
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported,
         configs=layer_norm.default_configs,
-        description="layer_norm's kernels with RMS and ADD on: rows that fit one chunk read "
+        replay=True, description="layer_norm's kernels with RMS and ADD on: rows that fit one chunk read "
         "once; the new residual's gradient added inside the dx kernel"))

@@ -172,4 +172,4 @@ def register(registry) -> None:
     registry.add_variant(Variant(
         NAME, "generic", launch, requires=frozenset({"libdevice"}),
         accepts=_host.dtype_supported, switches={"USE_LIBDEVICE": True},
-        configs=_host.elementwise_configs, description="libdevice asin in fp32"))
+        configs=_host.elementwise_configs, replay=True, description="libdevice asin in fp32"))

@@ -410,5 +410,5 @@ def register(registry) -> None:
         "label_smoothing, z_loss, softcap, reduction; differentiable", reference, inputs, "TxV"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
-        description="a program per row block, vocabulary in chunks: online max/sum, then the "
+        replay=True, description="a program per row block, vocabulary in chunks: online max/sum, then the "
         "gradient pass in the backward from the saved log-sum-exp"))

@@ -1636,6 +1636,7 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
         raise ValueError(f"{NAME}: HEAD_SPLIT must be 1 or 2, got {switches['HEAD_SPLIT']}")
     kwargs.setdefault("accepts", _host.dtype_supported)
     kwargs.setdefault("configs", default_configs)
+    kwargs.setdefault("replay", True)
     return Variant(NAME, name, launch, switches={**SWITCHES, **switches}, **kwargs)
 
 

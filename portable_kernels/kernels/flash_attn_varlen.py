@@ -212,7 +212,7 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
     base = flash_attn.variant(name, switches=switches, **kwargs)
     return Variant(NAME, name, launch, switches=base.switches,
                    **{f: getattr(base, f) for f in ("requires", "priority", "accepts", "configs",
-                                                     "description")})
+                                                     "description", "replay")})
 
 
 def register(registry) -> None:

@@ -787,6 +787,7 @@ def variant(name: str, *, switches: dict[str, Any] | None = None, **kwargs: Any)
         raise ValueError(f"{NAME}: unknown switches {unknown}; known: {sorted(SWITCHES)}")
     kwargs.setdefault("accepts", _host.dtype_supported)
     kwargs.setdefault("configs", default_configs)
+    kwargs.setdefault("replay", True)
     return Variant(NAME, name, launch, switches={**SWITCHES, **switches}, **kwargs)
 
 

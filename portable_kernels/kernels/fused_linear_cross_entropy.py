@@ -291,6 +291,6 @@ def register(registry) -> None:
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported,
         configs=cross_entropy.default_configs,
-        description="chunks of tokens: matmul's selected variant for the projections, "
+        replay=True, description="chunks of tokens: matmul's selected variant for the projections, "
         "cross_entropy's kernel for loss and gradient in one launch; gradients computed in "
         "the forward (mean, sum)"))

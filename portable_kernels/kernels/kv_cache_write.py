@@ -212,4 +212,4 @@ def register(registry) -> None:
         "TxBLOCKSxBLOCK_SIZExH_KVxD"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
-        description="one program per BLOCK_T tokens of a head; pointer loads and stores"))
+        replay=True, description="one program per BLOCK_T tokens of a head; pointer loads and stores"))

@@ -591,5 +591,5 @@ def register(registry) -> None:
         inputs, "MxN"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
-        description="row tiles streamed in column chunks; backward dweight/dbias partials "
+        replay=True, description="row tiles streamed in column chunks; backward dweight/dbias partials "
         "under an atomic_cas spin lock, reduced by a second kernel"))

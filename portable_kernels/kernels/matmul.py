@@ -562,4 +562,4 @@ def register(registry) -> None:
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, switches=GENERIC_SWITCHES,
         configs=default_configs,
-        description="masked pointer loads, one program per tile in grouped order, autotuned"))
+        replay=True, description="masked pointer loads, one program per tile in grouped order, autotuned"))

@@ -137,5 +137,5 @@ def register(registry) -> None:
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported,
         configs=layer_norm.default_configs,
-        description="layer_norm's kernels with RMS on: no mean pass, no bias; backward "
+        replay=True, description="layer_norm's kernels with RMS on: no mean pass, no bias; backward "
         "dweight partials under an atomic_cas spin lock"))

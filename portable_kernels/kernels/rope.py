@@ -330,5 +330,5 @@ def register(registry) -> None:
         "packed, positions), fp32 arithmetic; differentiable", reference, inputs, "BxSxHxD"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
-        description="rows of (token, head) pairs, q and k in one launch; the backward is the "
+        replay=True, description="rows of (token, head) pairs, q and k in one launch; the backward is the "
         "same kernel rotating by minus the angles"))

@@ -145,5 +145,5 @@ def register(registry) -> None:
         reference, inputs, "RxC"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=default_configs,
-        description="one program per row; one pass when the row fits a block, else an "
+        replay=True, description="one program per row; one pass when the row fits a block, else an "
         "online two-pass"))

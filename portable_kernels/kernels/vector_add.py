@@ -90,4 +90,4 @@ def register(registry) -> None:
         inputs, "N"))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=_host.elementwise_configs,
-        description="pointer loads with a tail mask"))
+        description="pointer loads with a tail mask", replay=True))

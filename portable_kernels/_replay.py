@@ -1,0 +1,635 @@
+"""Replaying a seen call of a kernel handle: its allocations and launches, without the
+family's host code.
+
+Every call of a family whose arguments have one *signature* (each tensor's dtype, shape,
+strides, device and address modulo 16; every other argument's type and value; the
+selection context) takes the same path through the family's launcher: the same checks
+pass, tensors of the same sizes are allocated, the same binaries launch on the same grids
+with the same scalars, and only addresses differ. That host code (checks, problem tuple,
+selection lookup, block sizes, the launch's keyword dictionaries, the direct launch's own
+lookup) took most of a small call's host time on an H100 host, where the kernels took a few
+microseconds (docs/performance.md, "Host time per call").
+
+So a handle records one call per signature and replays the rest. Recording runs the
+call as usual under a ``TorchDispatchMode`` that sees every torch operator it runs, while
+:class:`portable_kernels._direct.DirectLaunch` reports each launch. A call is recorded only
+when all it did was
+
+- allocate (``torch.empty``/``empty_like``/``empty_strided``/``zeros``...),
+- make views of its arguments or of those allocations,
+- launch compiled binaries through direct launches (or, where replay is forced with
+  ``PK_REPLAY=1``, through Triton's JIT launch: Triton's interpreter, other vendors), and
+- return those tensors (in tuples) or constants.
+
+Any other operator (a copy of a non-contiguous input, a value read on the host, a fill), a
+launch through another path (an autotuner still timing), a kernel that takes Triton's
+global scratch or a host tensor descriptor, two arguments that are one tensor, or a
+gradient in play: the call is not recorded and its signature keeps the full path. The
+replay is generated straight-line Python (``Recipe.source``): allocate, read the current
+stream, call each binary's launcher with the new addresses (plus the recorded byte offset of
+a view) and the recorded scalars, build the result.
+
+Families opt in per variant (``Variant.replay``): the flag says the launcher's behaviour is
+a function of the signature alone (no state kept between calls, no randomness drawn on the
+host, no launch outside the plan). ``PK_CHECK_VALUES=1`` is honoured: a recipe whose call
+consulted it declines while it is set, so the value checks run.
+
+``PK_REPLAY=0`` turns replay off; ``PK_REPLAY=1`` also records JIT launches (tests use it
+on the CPU interpreter, where nothing is gained but the recording is exercised); unset,
+only direct launches are replayed (NVIDIA GPUs, see ``_direct.supported``).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _context, _direct
+from . import launch as _launch
+
+__all__ = ["Recipe", "Replays", "mode"]
+
+#: Recordings in progress in any thread: launches read it first, so that the common case
+#: (none) costs one module attribute read.
+RECORDING = 0
+_recording_lock = threading.Lock()
+_tls = threading.local()
+
+#: Signatures tracked per kernel (recipes and those still being tried); past it new
+#: signatures take the full path.
+MAX_KEYS = 256
+#: Recording attempts per signature after its first call (the first calls of a new shape
+#: may still compile or tune).
+ATTEMPTS = 3
+#: Returned by a recipe that cannot run now (a launch hook is set, or ``PK_CHECK_VALUES``
+#: asks for the checks it skips): the caller takes the full path.
+DECLINED = object()
+#: What ``Replays.recipes.get(key, UNSEEN)`` answers for a signature without a recipe yet.
+UNSEEN = object()
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+#: What replays allocate with (read when a recipe is built; tests poison it).
+ALLOCATE = torch.empty_strided
+
+_aten = torch.ops.aten
+_ALLOCATIONS = frozenset({
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default,
+})
+_ZERO_ALLOCATIONS = frozenset({
+    _aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default,
+})
+_ALIASES = frozenset({_aten.detach.default, _aten.alias.default})
+
+
+def mode() -> str:
+    """``PK_REPLAY``: "off", "all" (also JIT launches) or "direct" (the default)."""
+    value = os.environ.get("PK_REPLAY", "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value in ("1", "true", "yes", "on", "all"):
+        return "all"
+    return "direct"
+
+
+def recorder() -> "_Recorder | None":
+    """The recording running in this thread, if any."""
+    return getattr(_tls, "recorder", None)
+
+
+class _Unrecordable(Exception):
+    def __init__(self, reason: str, final: bool = True) -> None:
+        super().__init__(reason)
+        self.final = final  # False: a later call of the signature may still record
+
+
+def note_constant(value: Any) -> None:
+    """Tell the recording in this thread, if any, that the tensors in ``value`` outlive
+    the call (``LaunchPlan.cached`` answers)."""
+    rec = recorder()
+    if rec is not None:
+        rec.constant(value)
+
+
+def note_kept(t: torch.Tensor, stream: int, capture: int | None) -> None:
+    """Tell the recording in this thread, if any, that ``t`` is ``stream``'s kept buffer."""
+    rec = recorder()
+    if rec is not None:
+        rec.kept(t, stream, capture)
+
+
+def note_plan(plan: Any, guard: Any) -> None:
+    """Tell the recording in this thread, if any, the plan its call launches through and
+    the guard it launches in: a variant that does not opt in (``Variant.replay``), JIT
+    launches where only direct ones are recorded, or a launch that must switch devices
+    first (the interpreter's guard is its lock, which replays take too) end it."""
+    rec = recorder()
+    if rec is None or rec.failure is not None:
+        return
+    if not plan.variant.replay:
+        rec.failure = _Unrecordable(f"variant {plan.variant.name} does not replay")
+    elif not (rec.mode == "all" or plan._direct_launches()):
+        rec.failure = _Unrecordable("launches through Triton's JIT (PK_REPLAY=1 records those)")
+    elif not (guard is None or "interpreter" in plan.device.capabilities):
+        rec.failure = _Unrecordable("the launch switches devices", final=False)
+
+
+def unrecordable(reason: str, final: bool = True) -> None:
+    """Tell the recording in this thread, if any, that its call cannot be replayed (a
+    launch path it does not see, e.g. an autotuner timing configs)."""
+    rec = recorder()
+    if rec is not None and rec.failure is None:
+        rec.failure = _Unrecordable(reason, final)
+
+
+def note_value_checks() -> None:
+    """Tell the recording in this thread, if any, that its call consulted
+    ``PK_CHECK_VALUES`` (``kernels._host.check_values``)."""
+    rec = recorder()
+    if rec is not None:
+        rec.checks_values = True
+
+
+class Recipe:
+    """One recorded call: ``recipe(args, kwargs, pointers)`` replays it, or answers
+    :data:`DECLINED`. ``source`` is the generated function's text; ``calls`` counts replays
+    (for tests)."""
+
+    __slots__ = ("run", "source", "calls")
+
+    def __init__(self, run: Callable, source: str) -> None:
+        self.run = run
+        self.source = source
+        self.calls = 0
+
+    def __call__(self, args: tuple, kwargs: dict, pointers: list) -> Any:
+        self.calls += 1
+        return self.run(args, kwargs, pointers)
+
+
+# A tensor's place in a recording: (kind, index, byte offset, size, stride, dtype), kind
+# "in" (the index-th tensor argument), "alloc" (the index-th allocation) or "const" (the
+# index-th tensor kept beyond the call: a plan's memo, a stream's kept buffer).
+_Ref = tuple
+
+
+class _Recorder(TorchDispatchMode):
+    """Watches one call: its torch operators (``__torch_dispatch__``) and launches
+    (:meth:`launch`)."""
+
+    def __init__(self, tensors: list, replay_mode: str) -> None:
+        super().__init__()
+        self.mode = replay_mode
+        self.refs: dict[int, _Ref] = {}
+        self.roots = {"in": list(tensors), "alloc": [], "const": []}
+        self.keep: list[torch.Tensor] = []  # every tensor with a ref, so ids stay unique
+        self.allocs: list[list] = []  # [size, stride, dtype, device, zero]
+        self.steps: list[tuple] = []
+        self.failure: _Unrecordable | None = None
+        self.quiet = 0
+        self.checks_values = False
+        self.stream = None  # the stream a kept buffer belongs to
+        for i, t in enumerate(tensors):
+            # One tensor passed twice: the signature records which arguments share an
+            # address, so either argument's index serves.
+            self.refs.setdefault(id(t), ("in", i, 0, tuple(t.shape), t.stride(), t.dtype))
+
+    # --- torch operators ---
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.quiet or self.failure is not None:
+            return out
+        if func in _ALLOCATIONS or func in _ZERO_ALLOCATIONS:
+            self._allocation(out, zero=func in _ZERO_ALLOCATIONS)
+        elif func is _aten.zero_.default and self._fresh_allocation(args[0]) is not None:
+            self.allocs[self._fresh_allocation(args[0])][4] = True
+        elif (func.is_view or func in _ALIASES) and _aliases(out, args[0]) \
+                and id(args[0]) in self.refs:
+            # (An operator whose schema says it may alias, as contiguous and reshape do,
+            # returns a copy at times: only a result in its input's storage is a view.)
+            self._view(out, args[0])
+        else:
+            self.failure = _Unrecordable(f"the call ran {func}")
+        return out
+
+    def _allocation(self, out: Any, zero: bool) -> None:
+        if not isinstance(out, torch.Tensor):
+            self.failure = _Unrecordable("an allocation returned no tensor")
+            return
+        self.allocs.append([tuple(out.shape), out.stride(), out.dtype, out.device, zero])
+        self._root("alloc", out)
+
+    def _root(self, kind: str, t: torch.Tensor) -> None:
+        self.refs[id(t)] = (kind, len(self.roots[kind]), 0, tuple(t.shape), t.stride(), t.dtype)
+        self.roots[kind].append(t)
+        self.keep.append(t)
+
+    def constant(self, value: Any) -> None:
+        """Tensors in ``value`` (a tensor, or a tuple or list of them) outlive the call
+        and may be launched on by its replays (a plan's memo)."""
+        for t in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.refs:
+                self._root("const", t)
+
+    def kept(self, t: torch.Tensor, stream: int, capture: int | None) -> None:
+        """``t`` is ``stream``'s kept buffer (``kernels._counters``): replays on that
+        stream alone, never in a graph capture, may use it."""
+        if capture is not None or (self.stream is not None and self.stream != stream):
+            self.failure = _Unrecordable("a kept buffer of a graph capture", final=False)
+        self.stream = stream
+        if id(t) not in self.refs:
+            self._root("const", t)
+
+    def _fresh_allocation(self, t: Any) -> int | None:
+        """The allocation ``t`` is, whole, if no launch has run since it was made."""
+        ref = self.refs.get(id(t))
+        if ref is None or ref[0] != "alloc" or ref[2] != 0 or self.steps:
+            return None
+        return ref[1]
+
+    def _view(self, out: torch.Tensor, base: torch.Tensor) -> None:  # noqa: D102
+        kind, index, offset = self.refs[id(base)][:3]
+        offset += out.data_ptr() - base.data_ptr()
+        self.keep.append(out)
+        self.refs[id(out)] = (kind, index, offset, tuple(out.shape), out.stride(), out.dtype)
+
+    # --- launches ---
+    def launch(self, launcher: Any, grid: Any, args: tuple, kwargs: dict, run: Callable) -> None:
+        """Run ``launcher``'s launch (``run(grid, args, kwargs)``, a
+        :class:`~portable_kernels._direct.DirectLaunch`'s) and record it."""
+        before = launcher.launches
+        self.quiet += 1  # Triton's interpreter copies arguments with torch operators
+        try:
+            run(grid, args, kwargs)
+        finally:
+            self.quiet -= 1
+        if self.failure is not None:
+            return
+        try:
+            if launcher.direct:
+                if launcher.launches == before:
+                    raise _Unrecordable("a launch compiled or ran through Triton's JIT", final=False)
+                self._direct_step(launcher, grid, args, kwargs)
+            elif self.mode == "all":
+                self._jit_step(launcher, grid, args, kwargs)
+            else:
+                raise _Unrecordable("a launch ran through Triton's JIT (PK_REPLAY=1 records those)")
+        except _Unrecordable as exc:
+            self.failure = exc
+        except Exception as exc:  # the recording's own failure must never fail the call
+            self.failure = _Unrecordable(f"recording a launch failed ({type(exc).__name__}: {exc})")
+
+    def _ref(self, t: Any) -> _Ref:
+        ref = self.refs.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if ref is None:
+            raise _Unrecordable(f"a launch took a {type(t).__name__} the call did not make "
+                                "from its arguments or allocate")
+        return ref
+
+    @staticmethod
+    def _constant(value: Any) -> Any:
+        if type(value) in _SCALARS or isinstance(value, torch.dtype):
+            return value
+        raise _Unrecordable(f"a launch took a {type(value).__name__} scalar")
+
+    def _direct_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+        key = launcher._key(args, kwargs)
+        entry = None if key is None else launcher.entries.get(key)
+        if entry is None:
+            raise _Unrecordable("a launch found no compiled binary", final=False)
+        meta = getattr(entry.kernel, "metadata", None)
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+            raise _Unrecordable("a kernel takes Triton's global scratch")
+        n = launcher.n_tensors
+        refs = [self._ref(t) for t in args[:n]]
+        scalars = [self._constant(v) for v in args[n:]]
+        g = grid(entry.meta) if callable(grid) else grid
+        g = (int(g[0]), int(g[1]) if len(g) > 1 else 1, int(g[2]) if len(g) > 2 else 1)
+        binary = None
+        if launcher.binary is not None:
+            # Without guards: the signature already fixes every dtype and alignment.
+            binary = launcher._binary_launch(entry.kernel, ())
+        self.steps.append(("direct", binary, entry.kernel, g, refs, scalars, entry.tail,
+                           torch._C._cuda_getDevice()))
+
+    def _jit_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+        items = [self._ref(a) if isinstance(a, torch.Tensor) else ("const", self._constant(a))
+                 for a in args]
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            raise _Unrecordable("a launch took a tensor keyword")
+        self.steps.append(("jit", launcher.fn, grid, items, {**kwargs, **launcher.config}))
+
+    # --- the result ---
+    def template(self, value: Any) -> tuple:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", self._ref(value))
+        if type(value) in _SCALARS:
+            return ("const", value)
+        if isinstance(value, (tuple, list)):
+            return (type(value), [self.template(v) for v in value])
+        raise _Unrecordable(f"the call returned a {type(value).__name__}")
+
+
+def _aliases(out: Any, base: Any) -> bool:
+    """Whether tensor ``out`` lives in tensor ``base``'s storage."""
+    return (isinstance(out, torch.Tensor) and isinstance(base, torch.Tensor)
+            and out.untyped_storage().data_ptr() == base.untyped_storage().data_ptr())
+
+
+class _Source:
+    """The generated replay function's text and the names it reads."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {
+            "_empty_strided": ALLOCATE, "_as_strided": torch.as_strided,
+            "_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None),
+            "_hooked": _direct._hooked, "_check_values": _check_values,
+            "_DECLINED": DECLINED, "_tensors": _tensors, "_guard": _guard,
+            "_capturing": torch.cuda.is_current_stream_capturing,
+        }
+        self._count = itertools.count()
+
+    def name(self, value: Any, prefix: str = "_c") -> str:
+        name = f"{prefix}{next(self._count)}"
+        self.names[name] = value
+        return name
+
+    def add(self, line: str, depth: int = 1) -> None:
+        self.lines.append("    " * depth + line)
+
+
+def _check_values() -> bool:
+    from .kernels import _host  # the catalog's helpers: imported once a recipe needs them
+
+    return _host.check_values()
+
+
+def _tensors(args: tuple, kwargs: dict) -> list:
+    return [a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _guard(device: torch.device) -> Any:
+    guard = _launch.launch_guard(device)
+    return _NO_GUARD if guard is None else guard
+
+
+def _build(rec: _Recorder, result: Any) -> Recipe:
+    """The replay function of a finished recording that returned ``result``."""
+    template = rec.template(result)
+    src = _Source()
+    jit = any(step[0] == "jit" for step in rec.steps)
+    direct = any(step[0] == "direct" for step in rec.steps)
+    if direct:
+        src.add("if _hooked():")
+        src.add("return _DECLINED", 2)
+    if rec.checks_values:
+        src.add("if _check_values():")
+        src.add("return _DECLINED", 2)
+    devices = sorted({step[7] for step in rec.steps if step[0] == "direct"})
+    if rec.stream is not None:
+        if len(devices) != 1:
+            raise _Unrecordable("a kept buffer without one device's launches")
+        src.add(f"if _stream({devices[0]}) != {rec.stream} or _capturing():")
+        src.add("return _DECLINED", 2)
+    uses_inputs = jit or _reads_inputs(template)
+    if uses_inputs:
+        src.add("t = _tensors(args, kwargs)")
+    carved = _workspace(src, rec, template) if direct and not jit else set()
+    for k, (size, stride, dtype, device, zero) in enumerate(rec.allocs):
+        if k in carved:
+            continue
+        src.add(f"a{k} = _empty_strided({src.name(size)}, {src.name(stride)}, "
+                f"dtype={src.name(dtype)}, device={src.name(device)})")
+        if zero:
+            src.add(f"a{k}.zero_()")
+        if direct:
+            src.add(f"q{k} = a{k}.data_ptr()")
+    depth = 1
+    if jit:
+        device = rec.roots["in"][0].device if rec.roots["in"] else torch.device("cpu")
+        src.add(f"with _guard({src.name(device)}):")
+        depth = 2
+    for index in devices:
+        src.add(f"s{index} = _stream({index})")
+    for step in rec.steps:
+        if step[0] == "direct":
+            _, binary, kernel, g, refs, scalars, tail, device_index = step
+            values = [_pointer(src, rec, ref) for ref in refs]
+            values += [src.name(v) for v in (*scalars, *tail)]
+            head = f"{g[0]}, {g[1]}, {g[2]}, s{device_index}"
+            if binary is not None:
+                src.add(f"{src.name(binary, '_L')}({head}, {', '.join(values)})", depth)
+            else:
+                k = src.name(kernel, "_K")
+                src.add(f"{k}.run({head}, {k}.function, {k}.packed_metadata, None, None, None, "
+                        f"{', '.join(values)})", depth)
+        else:
+            _, fn, grid, items, keywords = step
+            values = [src.name(item[1]) if item[0] == "const" else _tensor(src, rec, item)
+                      for item in items]
+            src.add(f"{src.name(fn, '_J')}[{src.name(grid, '_G')}]({', '.join(values)}, "
+                    f"**{src.name(keywords, '_W')})", depth)
+    src.add(f"return {_result(src, rec, template)}")
+    source = "def replay(args, kwargs, p):\n" + "\n".join(src.lines) + "\n"
+    namespace = dict(src.names)
+    namespace["_kept"] = rec.roots["const"]  # alive while the recipe is
+    exec(compile(source, "<portable_kernels replay>", "exec"), namespace)
+    return Recipe(namespace["replay"], source)
+
+
+#: Bytes between the allocations carved from one workspace: what torch's caching allocator
+#: aligns blocks to, so that every address keeps the alignment it was recorded with.
+_CARVE_ALIGN = 512
+
+
+def _workspace(src: _Source, rec: _Recorder, template: tuple) -> set[int]:
+    """Carve the allocations that only launches use (not returned, not zero-filled) from
+    one allocation: each ``torch.empty`` costs about as much host time as a launch (the
+    norms' statistics rows, split-K partials, the decode split's partial outputs). Emits
+    the workspace and the carved allocations' addresses; returns their indices."""
+    returned = set()
+    _allocations_in(template, returned)
+    carve = [k for k, alloc in enumerate(rec.allocs) if k not in returned and not alloc[4]]
+    if len(carve) < 2 or len({rec.allocs[k][3] for k in carve}) != 1:
+        return set()
+    offset, places = 0, []
+    for k in carve:
+        size, stride, dtype = rec.allocs[k][:3]
+        span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        places.append((k, offset))
+        offset += -(-span * dtype.itemsize // _CARVE_ALIGN) * _CARVE_ALIGN
+    device = rec.allocs[carve[0]][3]
+    src.add(f"w = _empty_strided(({max(offset, 1)},), (1,), dtype={src.name(torch.uint8)}, "
+            f"device={src.name(device)})")
+    src.add("qw = w.data_ptr()")
+    for k, off in places:
+        src.add(f"q{k} = qw + {off}" if off else f"q{k} = qw")
+    return set(carve)
+
+
+def _allocations_in(template: tuple, found: set) -> None:
+    kind, body = template
+    if kind == "tensor":
+        if body[0] == "alloc":
+            found.add(body[1])
+    elif kind != "const":
+        for t in body:
+            _allocations_in(t, found)
+
+
+def _reads_inputs(template: tuple) -> bool:
+    kind, body = template
+    if kind == "tensor":
+        return body[0] == "in"
+    if kind == "const":
+        return False
+    return any(_reads_inputs(t) for t in body)
+
+
+def _pointer(src: _Source, rec: _Recorder, ref: _Ref) -> str:
+    kind, index, offset = ref[:3]
+    if kind == "const":
+        return src.name(rec.roots["const"][index].data_ptr() + offset)
+    base = f"p[{index}]" if kind == "in" else f"q{index}"
+    return base if offset == 0 else f"{base} + {offset}"
+
+
+def _tensor(src: _Source, rec: _Recorder, ref: _Ref) -> str:
+    """An expression for the tensor ``ref`` names (the root itself, or a view of it)."""
+    kind, index, offset, size, stride, dtype = ref
+    root = rec.roots[kind][index]
+    base = {"in": f"t[{index}]", "alloc": f"a{index}", "const": src.name(root)}[kind]
+    if offset == 0 and size == tuple(root.shape) and stride == root.stride() and dtype == root.dtype:
+        return base
+    if dtype != root.dtype or offset % root.element_size():
+        raise _Unrecordable("a view of another dtype")
+    return (f"_as_strided({base}, {src.name(size)}, {src.name(stride)}, "
+            f"{base}.storage_offset() + {offset // root.element_size()})")
+
+
+def _result(src: _Source, rec: _Recorder, template: tuple) -> str:
+    kind, body = template
+    if kind == "tensor":
+        return _tensor(src, rec, body)
+    if kind == "const":
+        return src.name(body)
+    items = "".join(f"{_result(src, rec, t)}, " for t in body)
+    if kind is tuple:
+        return f"({items})"
+    if kind is list:
+        return f"[{items}]"
+    return f"{src.name(kind, '_T')}._make(({items}))"  # a NamedTuple
+
+
+class Replays:
+    """One kernel's recipes, keyed by signature (see the module docstring). Lives on the
+    plugin host; :meth:`clear` forgets them (``PluginHost.clear_caches``)."""
+
+    __slots__ = ("kernel", "mode", "recipes", "tries", "why", "_current")
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self.recipes: dict[tuple, Recipe | None] = {}  # None: the signature never replays
+        self.tries: dict[tuple, int] = {}
+        self.why: dict[tuple, str] = {}  # why a signature is not replayed
+        self.clear()
+
+    def clear(self) -> None:
+        self.mode = mode()
+        self.recipes.clear()
+        self.tries.clear()
+        self.why.clear()
+        # With several GPUs a launch's device is the current one: part of the signature.
+        self._current = None
+        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            self._current = torch._C._cuda_getDevice
+
+    def signature(self, args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
+        """``(key, pointers)`` of a call, or None where it cannot replay (a gradient in
+        play, an argument of another type than a tensor, a scalar or a tuple of them)."""
+        if RECORDING and recorder() is not None:
+            return None  # a call inside a recorded one: its launches belong to that recipe
+        grad = torch.is_grad_enabled()
+        key = [_context.current.get()]
+        pointers = []
+        for a in (itertools.chain(args, kwargs.values()) if kwargs else args):
+            kind = type(a)
+            if kind in _TENSORS:
+                if grad and a.requires_grad:
+                    return None
+                p = a.data_ptr()
+                key.append((a.dtype, a.shape, a.stride(), a.device, p & 15))
+                pointers.append(p)
+            elif kind in _SCALARS or (kind is tuple and all(type(v) in _SCALARS for v in a)):
+                key.append(kind)
+                key.append(a)
+            else:
+                return None
+        if kwargs:
+            key.append(tuple(kwargs))
+        if len(pointers) > 1 and len(set(pointers)) < len(pointers):
+            key.append(tuple([pointers.index(p) for p in pointers]))  # which share an address
+        if self._current is not None:
+            key.append(self._current())
+        return tuple(key), pointers
+
+    def call(self, key: tuple, full: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
+        """``full(args, kwargs)``, the full path of a call of signature ``key`` that has no
+        recipe yet, recorded where the signature was seen before."""
+        tries = self.tries.get(key)
+        if tries is None or self.mode == "off":
+            if tries is None and len(self.tries) + len(self.recipes) < MAX_KEYS:
+                self.tries[key] = 0
+            return full(args, kwargs)
+        global RECORDING
+        rec = _Recorder(_tensors(args, kwargs), self.mode)
+        _tls.recorder = rec
+        with _recording_lock:  # never 0 while a thread records: its launches would go unseen
+            RECORDING += 1
+        try:
+            with rec:
+                out = full(args, kwargs)
+        finally:
+            with _recording_lock:
+                RECORDING -= 1
+            _tls.recorder = None
+        failure = rec.failure
+        if failure is None:
+            try:
+                self.recipes[key] = _build(rec, out)
+                self.tries.pop(key, None)
+                return out
+            except _Unrecordable as exc:
+                failure = exc
+            except Exception as exc:  # a recipe that does not build: never the call's error
+                failure = _Unrecordable(f"its recipe did not build ({type(exc).__name__}: {exc})")
+        self.why[key] = str(failure)
+        if failure.final or tries + 1 >= ATTEMPTS:
+            self.recipes[key] = None
+            self.tries.pop(key, None)
+        else:
+            self.tries[key] = tries + 1
+        return out
+
+    def explain(self, key: tuple) -> str:
+        """What this kernel does with calls of signature ``key`` (for tests and debugging)."""
+        recipe = self.recipes.get(key, False)
+        if recipe is False:
+            return f"seen {self.tries.get(key, 0)} time(s), not recorded"
+        if recipe is None:
+            return f"not replayed: {self.why.get(key, '?')}"
+        return recipe.source
+
+

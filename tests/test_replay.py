@@ -1,0 +1,275 @@
+"""Replays of seen calls (``portable_kernels._replay``): every family that opts in gives
+the full path's result, bit for bit, on new inputs of a recorded signature (its
+allocations poisoned, so an element no replayed launch writes shows); calls that do
+anything but allocate, view and launch are never replayed; and the signature tells apart
+every call that could take another path."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import portable_kernels as pk
+from portable_kernels import _direct, _replay, launch, plugins
+from conftest import ON_CPU
+from test_direct import _Jit, _grid, cuda_stand_ins  # noqa: F401 (a fixture)
+
+#: A small call per family whose variants replay: (kernel, shape string for its
+#: ``inputs``, dtype); flash_attn has no ``inputs``.
+CASES = [
+    ("vector_add", "100", torch.float16), ("softmax", "5x70", torch.float16),
+    ("layer_norm", "6x40", torch.bfloat16), ("rms_norm", "6x40", torch.float16),
+    ("add_rms_norm", "6x40", torch.float16), ("swiglu", "6x40", torch.float16),
+    ("geglu", "6x40", torch.bfloat16), ("rope", "2x3x2x16", torch.float16),
+    ("asin", "100", torch.float32), ("matmul", "16x16x16", torch.float16),
+    ("cross_entropy", "5x70", torch.float16),
+    ("fused_linear_cross_entropy", "6x16x40", torch.float16),
+    ("kv_cache_write", "5x4x16x2x16", torch.float16),
+    ("flash_attn", None, torch.float16), ("flash_attn_varlen", "7+3x2x16", torch.float16),
+    ("flash_attn_with_kvcache", "2x1x4x2x40x16", torch.float16),
+]
+
+
+@pytest.fixture
+def replaying(monkeypatch, fresh_host):
+    """A plugin host whose handles record every replayable call, JIT launches included (the
+    interpreter's), and whose replays allocate NaN-filled (or -1-filled) memory."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+
+    def poisoned(*args, **kwargs):
+        t = torch.empty_strided(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(_replay, "ALLOCATE", poisoned)
+    return fresh_host()
+
+
+def _inputs(kernel: str, shape: str | None, dtype: torch.dtype, device) -> tuple:
+    if kernel == "flash_attn":
+        q = torch.randn(1, 2, 24, 16, device=device).to(dtype)
+        return (q, torch.randn_like(q), torch.randn_like(q)), {"causal": True}
+    return plugins.host().registry.kernels[kernel].inputs(shape, dtype, device)
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _assert_same(got, want, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype), where
+        assert torch.equal(got, want), where
+    elif isinstance(want, (tuple, list)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("kernel, shape, dtype", CASES, ids=[c[0] for c in CASES])
+def test_replays_give_the_full_paths_result(replaying, device, kernel, shape, dtype):
+    handle = pk.get_kernel(kernel)
+    calls = 5
+    for i in range(calls):
+        args, kwargs = _inputs(kernel, shape, dtype, device)
+        full_args = [_clone(a) for a in args]
+        full_kwargs = {k: _clone(v) for k, v in kwargs.items()}
+        got = handle(*args, **kwargs)
+        plan = handle.plan(*full_args, **full_kwargs)
+        guard = launch.launch_guard(device)
+        with guard if guard is not None else torch.no_grad():
+            want = plan.launch(plan, *full_args, **full_kwargs)
+        _assert_same(got, want, f"{kernel} call {i + 1}")
+        # In-place families write their arguments: the same writes either way.
+        for a, b in zip(args, full_args):
+            _assert_same(a, b, f"{kernel} call {i + 1}, argument")
+    replays = plugins.host().replays[kernel]
+    assert len(replays.recipes) == 1, replays.why
+    recipe = next(iter(replays.recipes.values()))
+    assert recipe is not None, replays.why
+    # The first call compiles; the second records (a tuned kernel's first direct launch
+    # may still compile, and then the third does); the rest replay.
+    assert recipe.calls >= calls - 3, recipe.source
+
+
+def _record(replays, fn, *args, **kwargs):
+    """Two calls of ``fn(plan, *args, **kwargs)`` as a handle's full path makes them, on a
+    stand-in plan of a replaying variant: the second one recorded."""
+    plan = types.SimpleNamespace(
+        _direct_launches=lambda: False, variant=types.SimpleNamespace(name="test", replay=True),
+        device=types.SimpleNamespace(capabilities=frozenset({"interpreter"})))
+
+    def full(args, kwargs):
+        _replay.note_plan(plan, None)
+        return fn(plan, *args, **kwargs)
+
+    key = replays.signature(args, kwargs)[0]
+    for _ in range(2):
+        out = replays.call(key, full, args, kwargs)
+    return key, out
+
+
+def test_a_call_that_runs_another_operator_is_not_replayed(monkeypatch):
+    monkeypatch.setenv("PK_REPLAY", "1")
+    replays = _replay.Replays("test")
+
+    def fills(plan, x):
+        return torch.empty_like(x).fill_(1.0)
+
+    key, out = _record(replays, fills, torch.zeros(4))
+    assert torch.equal(out, torch.ones(4))
+    assert replays.recipes[key] is None and "fill_" in replays.why[key]
+
+
+def test_a_copy_is_not_a_view(monkeypatch):
+    """contiguous and reshape may alias their input by their schemas, and copy it at times
+    (a strided input): only a result in its input's storage is recorded as a view."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+    replays = _replay.Replays("test")
+
+    def copies(plan, x):
+        return torch.ops.aten.contiguous.default(x)
+
+    x = torch.arange(8.0)[::2]
+    key, out = _record(replays, copies, x)
+    assert torch.equal(out, x) and replays.recipes[key] is None, replays.explain(key)
+
+
+def test_allocations_and_views_replay_without_the_launcher(monkeypatch):
+    """A call that only allocates and makes views replays as such: the launcher does not
+    run again, and the views keep their shapes, strides and offsets into the new tensors."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+    replays = _replay.Replays("test")
+    ran = []
+
+    def views(plan, x, n):
+        ran.append(n)
+        out = torch.zeros(2 * n, dtype=x.dtype, device=x.device)
+        return out.view(2, n), x[1:].t(), n
+
+    x = torch.arange(12.0).reshape(3, 4)
+    key, _ = _record(replays, views, x, 3)
+    assert replays.recipes[key] is not None, replays.why
+    y = torch.arange(12.0, 24.0).reshape(3, 4)
+    out, tail, n = replays.recipes[key]((y, 3), {}, replays.signature((y, 3), {})[1])
+    assert ran == [3, 3] and n == 3
+    assert torch.equal(out, torch.zeros(2, 3)) and torch.equal(tail, y[1:].t())
+    assert tail.stride() == y[1:].t().stride() and tail.data_ptr() == y[1].data_ptr()
+
+
+def test_the_signature_tells_apart_calls_that_may_take_another_path():
+    replays = _replay.Replays("test")
+    x, y = torch.zeros(8), torch.zeros(8)
+
+    def key(*args, **kwargs):
+        sig = replays.signature(args, kwargs)
+        return None if sig is None else sig[0]
+
+    assert key(x, y) == key(torch.ones(8), torch.ones(8))
+    assert key(x, y) != key(x, x)  # one tensor twice: the recording may use either index
+    assert key(x, 1) != key(x, True) and key(x, 1) != key(x, 2)  # scalars by type and value
+    assert key(x, y) != key(x, y.double()) and key(x, y) != key(x, torch.zeros(9))
+    assert key(x, y) != key(x, torch.zeros(9)[1:])  # another address modulo 16
+    assert key(x, y) != key(x, torch.zeros(16)[::2])  # other strides
+    assert key(x, eps=1.0) != key(x, 1.0)  # keywords by name
+    assert key(x, [y]) is None  # a list: not a signature
+    w = torch.zeros(8, requires_grad=True)
+    assert key(x, w) is None  # a gradient in play
+    with torch.no_grad():
+        assert key(x, w) is not None
+    outside = key(x, y)
+    with pk.use_variant(vector_add="generic"):
+        assert key(x, y) != outside  # the selection context
+
+
+def test_replay_is_off_with_pk_replay_0(monkeypatch, fresh_host, device):
+    monkeypatch.setenv("PK_REPLAY", "0")
+    fresh_host()
+    handle = pk.get_kernel("vector_add")
+    x = torch.randn(64, device=device).half()
+    for _ in range(4):
+        handle(x, x)
+    assert not plugins.host().replays["vector_add"].recipes
+
+
+def test_value_checks_run_when_asked_after_a_recording(replaying, monkeypatch, device):
+    """A recipe whose call consulted PK_CHECK_VALUES declines while it is set, so the
+    checks it skipped (here: a slot past the cache) run."""
+    handle = pk.get_kernel("kv_cache_write")
+    for _ in range(3):
+        args, _ = _inputs("kv_cache_write", "5x4x16x2x16", torch.float16, device)
+        handle(*args)
+    (recipe,) = plugins.host().replays["kv_cache_write"].recipes.values()
+    assert recipe is not None and recipe.calls == 1
+    args[4][0] = 10_000
+    monkeypatch.setenv("PK_CHECK_VALUES", "1")
+    with pytest.raises(pk.errors.InputError, match="slot_mapping values"):
+        handle(*args)
+
+
+@pytest.mark.skipif(ON_CPU, reason="direct launches and their hooks: NVIDIA GPUs")
+def test_a_launch_hook_takes_the_full_path(replaying, device):
+    """Profilers read launches through Triton's hooks: a recipe declines while one is set."""
+    import triton
+
+    handle = pk.get_kernel("vector_add")
+    x = torch.randn(4096, device=device).half()
+    for _ in range(3):
+        handle(x, x)
+    (recipe,) = plugins.host().replays["vector_add"].recipes.values()
+    seen = []
+    triton.knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        out = handle(x, x)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert torch.equal(out, x + x) and len(seen) == 1 and recipe.calls == 1
+
+
+def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypatch):
+    """What a GPU replay runs, on stand-ins of a direct launch and its backend launcher:
+    each launch gets the new call's addresses and the recorded scalars and constexprs; the
+    allocations only launches use come from one workspace, each at an aligned offset; the
+    result is a view of the new output."""
+    monkeypatch.delenv("PK_REPLAY", raising=False)  # the default: direct launches only
+    launched, made = [], []
+
+    def make(kernel, guards):
+        made.append(guards)
+        return lambda *args: launched.append(args) or True
+
+    first, second = (_direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True, binary=make)
+                     for _ in range(2))
+    plan = types.SimpleNamespace(
+        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
+        device=types.SimpleNamespace(capabilities=frozenset()))
+
+    def full(args, kwargs):
+        (x,) = args
+        _replay.note_plan(plan, None)
+        out = torch.empty_like(x)
+        partial, counts = torch.empty(8, dtype=torch.float32), torch.empty(3, dtype=torch.int32)
+        first(_grid, (x, out, 8, 0.5), {})
+        second(_grid, (partial, counts, 3, 2.0), {})
+        return out.view(2, 4)
+
+    replays = _replay.Replays("test")
+    xs = [torch.randn(8).half() for _ in range(3)]
+    keys = [replays.signature((x,), {})[0] for x in xs]
+    assert keys[0] == keys[1] == keys[2]
+    for x in xs[:2]:
+        replays.call(keys[0], full, (x,), {})
+    recipe = replays.recipes[keys[0]]
+    assert recipe is not None, replays.why
+    launched.clear()
+    out = recipe((xs[2],), {}, replays.signature((xs[2],), {})[1])
+    (gx, gy, gz, stream, x_ptr, out_ptr, *rest), (_, _, _, _, partial, counts, *rest2) = launched
+    assert (gx, gy, gz, stream) == (4, 1, 1, 1000) and rest == [8, 0.5, 64, True]
+    assert x_ptr == xs[2].data_ptr() and out_ptr == out.data_ptr()
+    assert out.shape == (2, 4) and out.dtype == torch.float16
+    assert counts - partial == 512 and rest2 == [3, 2.0, 64, True]
+    assert made[-1] == ()  # the replay's launcher checks nothing: the signature fixed it all
+    assert "w = _empty_strided" in recipe.source
