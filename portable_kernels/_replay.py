@@ -99,7 +99,7 @@ def mode() -> str:
     return "direct"
 
 
-def recorder() -> "_Recorder | None":
+def recorder() -> _Recorder | None:
     """The recording running in this thread, if any."""
     return getattr(_tls, "recorder", None)
 
@@ -255,7 +255,7 @@ class _Recorder(TorchDispatchMode):
             return None
         return ref[1]
 
-    def _view(self, out: torch.Tensor, base: torch.Tensor) -> None:  # noqa: D102
+    def _view(self, out: torch.Tensor, base: torch.Tensor) -> None:
         kind, index, offset = self.refs[id(base)][:3]
         offset += out.data_ptr() - base.data_ptr()
         self.keep.append(out)
@@ -318,7 +318,7 @@ class _Recorder(TorchDispatchMode):
             # Without guards: the signature already fixes every dtype and alignment.
             binary = launcher._binary_launch(entry.kernel, ())
         self.steps.append(("direct", binary, entry.kernel, g, refs, scalars, entry.tail,
-                           torch._C._cuda_getDevice()))
+                           torch._C._cuda_getDevice(), launcher))
 
     def _jit_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
         items = [self._ref(a) if isinstance(a, torch.Tensor) else ("const", self._constant(a))
@@ -368,7 +368,9 @@ class _Source:
 
 
 def _check_values() -> bool:
-    from .kernels import _host  # the catalog's helpers: imported once a recipe needs them
+    from .kernels import (
+        _host,  # the catalog's helpers: imported once a recipe needs them
+    )
 
     return _host.check_values()
 
@@ -425,7 +427,7 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
         src.add(f"s{index} = _stream({index})")
     for step in rec.steps:
         if step[0] == "direct":
-            _, binary, kernel, g, refs, scalars, tail, device_index = step
+            _, binary, kernel, g, refs, scalars, tail, device_index, launcher = step
             values = [_pointer(src, rec, ref) for ref in refs]
             values += [src.name(v) for v in (*scalars, *tail)]
             head = f"{g[0]}, {g[1]}, {g[2]}, s{device_index}"
@@ -435,6 +437,8 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
                 k = src.name(kernel, "_K")
                 src.add(f"{k}.run({head}, {k}.function, {k}.packed_metadata, None, None, None, "
                         f"{', '.join(values)})", depth)
+            # Still a direct launch of that launcher's binary (tests and tools count them).
+            src.add(f"{src.name(launcher, '_D')}.launches += 1", depth)
         else:
             _, fn, grid, items, keywords = step
             values = [src.name(item[1]) if item[0] == "const" else _tensor(src, rec, item)

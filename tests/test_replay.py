@@ -9,11 +9,10 @@ import types
 
 import pytest
 import torch
-
 import portable_kernels as pk
 from portable_kernels import _direct, _replay, launch, plugins
 from conftest import ON_CPU
-from test_direct import _Jit, _grid, cuda_stand_ins  # noqa: F401 (a fixture)
+from test_direct import _grid, _Jit, cuda_stand_ins  # noqa: F401 (a fixture)
 
 #: A small call per family whose variants replay: (kernel, shape string for its
 #: ``inputs``, dtype); flash_attn has no ``inputs``.
@@ -229,7 +228,7 @@ def test_a_launch_hook_takes_the_full_path(replaying, device):
     assert torch.equal(out, x + x) and len(seen) == 1 and recipe.calls == 1
 
 
-def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypatch):
+def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypatch):  # noqa: F811
     """What a GPU replay runs, on stand-ins of a direct launch and its backend launcher:
     each launch gets the new call's addresses and the recorded scalars and constexprs; the
     allocations only launches use come from one workspace, each at an aligned offset; the
@@ -272,4 +271,5 @@ def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypat
     assert out.shape == (2, 4) and out.dtype == torch.float16
     assert counts - partial == 512 and rest2 == [3, 2.0, 64, True]
     assert made[-1] == ()  # the replay's launcher checks nothing: the signature fixed it all
+    assert first.launches == second.launches == 2  # a replay's launches count as direct ones
     assert "w = _empty_strided" in recipe.source
