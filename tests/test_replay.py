@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+
 import portable_kernels as pk
 from portable_kernels import _direct, _replay, launch, plugins
 from conftest import ON_CPU
