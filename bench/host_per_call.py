@@ -48,10 +48,10 @@ import layers
 F = torch.nn.functional
 #: Each pass's environment: direct launches through the backend's C launcher (the default),
 #: through the binary's Triton launcher, and Triton's JIT launch.
-SETTINGS = {"direct": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "1", "PK_REPLAY": ""},
+SETTINGS = {"direct": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "1", "PK_REPLAY": "direct"},
             "no_replay": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "1", "PK_REPLAY": "0"},
-            "triton_launcher": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "0", "PK_REPLAY": ""},
-            "jit": {"PK_DIRECT_LAUNCH": "0", "PK_C_LAUNCHER": "1", "PK_REPLAY": ""}}
+            "triton_launcher": {"PK_DIRECT_LAUNCH": "1", "PK_C_LAUNCHER": "0", "PK_REPLAY": "direct"},
+            "jit": {"PK_DIRECT_LAUNCH": "0", "PK_C_LAUNCHER": "1", "PK_REPLAY": "direct"}}
 
 
 def _rand(*shape: int, dtype: torch.dtype = torch.float16, grad: bool = False) -> torch.Tensor:

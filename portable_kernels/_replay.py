@@ -34,9 +34,10 @@ a function of the signature alone (no state kept between calls, no randomness dr
 host, no launch outside the plan). ``PK_CHECK_VALUES=1`` is honoured: a recipe whose call
 consulted it declines while it is set, so the value checks run.
 
-``PK_REPLAY=0`` turns replay off; ``PK_REPLAY=1`` also records JIT launches (tests use it
-on the CPU interpreter, where nothing is gained but the recording is exercised); unset,
-only direct launches are replayed (NVIDIA GPUs, see ``_direct.supported``).
+``PK_REPLAY=direct`` replays direct launches only (NVIDIA GPUs, see
+``_direct.supported``); ``PK_REPLAY=1`` also records JIT launches (tests use it on the CPU
+interpreter, where nothing is gained but the recording is exercised); ``PK_REPLAY=0`` or
+unset: off (:data:`DEFAULT`).
 """
 from __future__ import annotations
 
@@ -89,14 +90,22 @@ _ZERO_ALLOCATIONS = frozenset({
 _ALIASES = frozenset({_aten.detach.default, _aten.alias.default})
 
 
+#: The mode where ``PK_REPLAY`` is unset. "off" until a GPU run of the suite with
+#: ``PK_REPLAY=direct`` has passed and bench/host_per_call.py has measured what replays
+#: save there: the recorder and the generated launches are checked on the interpreter and
+#: on stand-ins of NVIDIA's launcher only.
+DEFAULT = "off"
+
+
 def mode() -> str:
-    """``PK_REPLAY``: "off", "all" (also JIT launches) or "direct" (the default)."""
+    """``PK_REPLAY``: "off" (``0``), "all" (``1``: direct and JIT launches) or "direct"
+    (direct launches only); :data:`DEFAULT` where unset."""
     value = os.environ.get("PK_REPLAY", "").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
     if value in ("1", "true", "yes", "on", "all"):
         return "all"
-    return "direct"
+    return "direct" if value == "direct" else DEFAULT
 
 
 def recorder() -> _Recorder | None:

@@ -349,7 +349,7 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
     results = [bench.measure(1, env) for env in bench.SETTINGS.values()]
     assert results[0] == {"vector_add": {"ours": 1.0, "torch": 1.0}}
     assert [(direct, replay) for direct, replay, _ in seen] == [
-        ("1", ""), ("1", "0"), ("1", ""), ("0", "")]
+        ("1", "direct"), ("1", "0"), ("1", "direct"), ("0", "direct")]
     plans = [plan for *_, plan in seen]
     assert plans[0] is not before and all(b is not a for a, b in zip(plans, plans[1:]))
     # Nothing of the last pass outlives it: neither the variables nor plans built under

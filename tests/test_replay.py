@@ -185,14 +185,23 @@ def test_the_signature_tells_apart_calls_that_may_take_another_path():
         assert key(x, y) != outside  # the selection context
 
 
-def test_replay_is_off_with_pk_replay_0(monkeypatch, fresh_host, device):
-    monkeypatch.setenv("PK_REPLAY", "0")
+@pytest.mark.parametrize("value", ["0", "", "direct"])
+def test_replay_is_off_with_pk_replay_0(monkeypatch, fresh_host, device, value):
+    """Off with PK_REPLAY=0 and by default; "direct" records direct launches only, which
+    the interpreter does not make."""
+    monkeypatch.setenv("PK_REPLAY", value)
     fresh_host()
     handle = pk.get_kernel("vector_add")
     x = torch.randn(64, device=device).half()
     for _ in range(4):
         handle(x, x)
-    assert not plugins.host().replays["vector_add"].recipes
+    recipes = plugins.host().replays["vector_add"].recipes
+    if value == "direct" and not ON_CPU:
+        assert len(recipes) == 1 and next(iter(recipes.values())).calls == 2
+    elif value == "direct":
+        assert list(recipes.values()) == [None]  # tried once, never recorded
+    else:
+        assert not recipes
 
 
 def test_value_checks_run_when_asked_after_a_recording(replaying, monkeypatch, device):
@@ -234,7 +243,7 @@ def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypat
     each launch gets the new call's addresses and the recorded scalars and constexprs; the
     allocations only launches use come from one workspace, each at an aligned offset; the
     result is a view of the new output."""
-    monkeypatch.delenv("PK_REPLAY", raising=False)  # the default: direct launches only
+    monkeypatch.setenv("PK_REPLAY", "direct")
     launched, made = [], []
 
     def make(kernel, guards):
