@@ -550,7 +550,7 @@ class Replays:
     """One kernel's recipes, keyed by signature (see the module docstring). Lives on the
     plugin host; :meth:`clear` forgets them (``PluginHost.clear_caches``)."""
 
-    __slots__ = ("kernel", "mode", "recipes", "tries", "why", "_current")
+    __slots__ = ("kernel", "mode", "active", "recipes", "tries", "why", "_current")
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
@@ -561,6 +561,7 @@ class Replays:
 
     def clear(self) -> None:
         self.mode = mode()
+        self.active = self.mode != "off"  # handles skip the signature when off
         self.recipes.clear()
         self.tries.clear()
         self.why.clear()

@@ -350,7 +350,7 @@ class KernelHandle:
             # (inside it grad mode is off, so this does not recurse).
             return self._grad_op(*args, **kwargs)
         replays = self._replays
-        if replays is not None:
+        if replays is not None and replays.active:
             # A signature seen before replays its recorded allocations and launches.
             signature = replays.signature(args, kwargs)
             if signature is not None:
