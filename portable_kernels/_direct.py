@@ -133,11 +133,8 @@ class DirectLaunch:
         if _replay.RECORDING:
             recorder = _replay.recorder()
             if recorder is not None:
-                recorder.launch(self, grid, args, kwargs, self._run)
+                recorder.launch(self, grid, args, kwargs)  # calls this again, unrecorded
                 return
-        self._run(grid, args, kwargs)
-
-    def _run(self, grid: Any, args: tuple, kwargs: dict) -> None:
         if self.guarded:
             device = torch._C._cuda_getDevice()
             try:

@@ -218,8 +218,8 @@ class _Recorder(TorchDispatchMode):
             return out
         if func in _ALLOCATIONS or func in _ZERO_ALLOCATIONS:
             self._allocation(out, zero=func in _ZERO_ALLOCATIONS)
-        elif func is _aten.zero_.default and self._fresh_allocation(args[0]) is not None:
-            self.allocs[self._fresh_allocation(args[0])][4] = True
+        elif func is _aten.zero_.default and (fresh := self._fresh_allocation(args[0])) is not None:
+            self.allocs[fresh][4] = True
         elif (func.is_view or func in _ALIASES) and _aliases(out, args[0]) \
                 and id(args[0]) in self.refs:
             # (An operator whose schema says it may alias, as contiguous and reshape do,
@@ -251,8 +251,10 @@ class _Recorder(TorchDispatchMode):
     def kept(self, t: torch.Tensor, stream: int, capture: int | None) -> None:
         """``t`` is ``stream``'s kept buffer (``kernels._counters``): replays on that
         stream alone, never in a graph capture, may use it."""
-        if capture is not None or (self.stream is not None and self.stream != stream):
+        if capture is not None:
             self.failure = _Unrecordable("a kept buffer of a graph capture", final=False)
+        elif self.stream is not None and self.stream != stream:
+            self.failure = _Unrecordable("kept buffers of two streams", final=False)
         self.stream = stream
         if id(t) not in self.refs:
             self._root("const", t)
@@ -271,21 +273,24 @@ class _Recorder(TorchDispatchMode):
         self.refs[id(out)] = (kind, index, offset, tuple(out.shape), out.stride(), out.dtype)
 
     # --- launches ---
-    def launch(self, launcher: Any, grid: Any, args: tuple, kwargs: dict, run: Callable) -> None:
-        """Run ``launcher``'s launch (``run(grid, args, kwargs)``, a
-        :class:`~portable_kernels._direct.DirectLaunch`'s) and record it."""
+    def launch(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+        """Run ``launcher``'s launch (a :class:`~portable_kernels._direct.DirectLaunch`
+        called as it was) and record it."""
         before = launcher.launches
         self.quiet += 1  # Triton's interpreter copies arguments with torch operators
+        _tls.recorder = None  # the launcher then launches as when nothing records
         try:
-            run(grid, args, kwargs)
+            launcher(grid, args, kwargs)
         finally:
+            _tls.recorder = self
             self.quiet -= 1
         if self.failure is not None:
             return
         try:
             if launcher.direct:
                 if launcher.launches == before:
-                    raise _Unrecordable("a launch compiled or ran through Triton's JIT", final=False)
+                    raise _Unrecordable("a launch compiled or ran through Triton's JIT",
+                                        final=False)
                 self._direct_step(launcher, grid, args, kwargs)
             elif self.mode == "all":
                 self._jit_step(launcher, grid, args, kwargs)
@@ -377,9 +382,7 @@ class _Source:
 
 
 def _check_values() -> bool:
-    from .kernels import (
-        _host,  # the catalog's helpers: imported once a recipe needs them
-    )
+    from .kernels import _host  # the catalog's helpers: imported once a recipe needs them
 
     return _host.check_values()
 
@@ -524,7 +527,8 @@ def _tensor(src: _Source, rec: _Recorder, ref: _Ref) -> str:
     kind, index, offset, size, stride, dtype = ref
     root = rec.roots[kind][index]
     base = {"in": f"t[{index}]", "alloc": f"a{index}", "const": src.name(root)}[kind]
-    if offset == 0 and size == tuple(root.shape) and stride == root.stride() and dtype == root.dtype:
+    if (offset == 0 and size == tuple(root.shape) and stride == root.stride()
+            and dtype == root.dtype):
         return base
     if dtype != root.dtype or offset % root.element_size():
         raise _Unrecordable("a view of another dtype")
@@ -599,12 +603,13 @@ class Replays:
             key.append(self._current())
         return tuple(key), pointers
 
-    def call(self, key: tuple, full: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
+    def call(self, key: tuple, full: Callable[[tuple, dict], Any], args: tuple,
+             kwargs: dict) -> Any:
         """``full(args, kwargs)``, the full path of a call of signature ``key`` that has no
         recipe yet, recorded where the signature was seen before."""
         tries = self.tries.get(key)
-        if tries is None or self.mode == "off":
-            if tries is None and len(self.tries) + len(self.recipes) < MAX_KEYS:
+        if tries is None:  # the first call: it may compile and tune
+            if len(self.tries) + len(self.recipes) < MAX_KEYS:
                 self.tries[key] = 0
             return full(args, kwargs)
         global RECORDING
