@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -86,6 +87,68 @@ def late_reason() -> str | None:
 _LOCK = threading.RLock()
 
 
+class _SharedPatches:
+    """Triton's interpreter re-patches ``triton.language`` on every call of a ``@triton.jit``
+    helper inside a kernel, not only at the kernel's launch: ``_patch_lang`` walks the
+    language modules with ``inspect.getmembers`` and rebinds their builtins, about a third
+    of an interpreted launch's time in kernels built of small helpers (matmul's tiles,
+    flash attention's steps). A helper whose language modules the running kernel already
+    patched finds nothing left to patch (an already patched builtin is not a builtin any
+    more), so this wrapper answers such calls with a scope that restores nothing. The
+    kernel's own scope still restores everything it patched when the launch ends."""
+
+    class _Nothing:
+        @staticmethod
+        def restore() -> None:
+            pass
+
+    def __init__(self, patch_lang: Any, language: tuple) -> None:
+        self.patch_lang = patch_lang
+        self.language = language  # triton.language and triton.language.core
+        self.patched: set[int] | None = None  # ids of the modules patched by the running launch
+        self.modules: dict[int, frozenset[int]] = {}  # id(fn.__globals__) -> its language modules
+
+    def __call__(self, fn: Any) -> Any:
+        key = id(fn.__globals__)
+        modules = self.modules.get(key)
+        if modules is None:
+            modules = self.modules[key] = frozenset(
+                id(v) for v in fn.__globals__.values() if any(v is m for m in self.language))
+        if self.patched is not None:  # a helper called by the running kernel
+            if modules <= self.patched:
+                return self._Nothing
+            self.patched |= modules
+            return self.patch_lang(fn)
+        scope = self.patch_lang(fn)  # a launch: its scope is restored when it ends
+        self.patched = set(modules)
+        restore = scope.restore
+
+        def restore_all() -> None:
+            self.patched = None
+            restore()
+
+        scope.restore = restore_all
+        return scope
+
+
+_shared_patches: _SharedPatches | None = None
+
+
+def _share_patches() -> None:
+    """Install :class:`_SharedPatches` in Triton's interpreter, where its internals are the
+    ones it was written against (triton 3.6 to 3.9); elsewhere leave it as it is."""
+    global _shared_patches
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if not callable(patch_lang) or not hasattr(interpreter, "_LangPatchScope"):
+        _shared_patches = False  # type: ignore[assignment]
+        return
+    _shared_patches = _SharedPatches(patch_lang, (tl, tl.core))
+    interpreter._patch_lang = _shared_patches
+
+
 class Serialized:
     """The context of one interpreted launch: the interpreter's lock, and numpy's floating
     point warnings off. The interpreter computes in numpy, which warns (``invalid value
@@ -99,6 +162,8 @@ class Serialized:
 
         _LOCK.acquire()
         try:
+            if _shared_patches is None:
+                _share_patches()
             self._errstate = np.errstate(all="ignore")
             self._errstate.__enter__()
         except BaseException:

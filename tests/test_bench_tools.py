@@ -42,30 +42,95 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+# Runs each (script, args) of a JSON list on stdin as ``python bench/script.py args`` would
+# (``__main__``, its own argv, its exit status and output), all in one interpreter: each
+# fresh Python process spends seconds importing torch, and the command-line tests start
+# about thirty of them.
+_DRIVER = """
+import contextlib, io, json, runpy, sys
+bench = sys.argv[1]
+sys.path.insert(0, bench)
+results = []
+for script, args in json.load(sys.stdin):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [f"{bench}/{script}.py", *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+    if isinstance(code, str):  # sys.exit(message): printed, status 1
+        err.write(code + chr(10))
+        code = 1
+    results.append([code or 0, out.getvalue(), err.getvalue()])
+sys.__stdout__.write(json.dumps(results))
+"""
+
+
+def _run_all(calls: list[tuple[str, list[str]]]) -> list[subprocess.CompletedProcess]:
+    """``_run(script, *args)`` for each call, in one process (see ``_DRIVER``)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, str(BENCH)], input=json.dumps(calls),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return [subprocess.CompletedProcess([script, *args], code, out, err)
+            for (script, args), (code, out, err) in zip(calls, json.loads(proc.stdout))]
+
+
 def test_bench_holds_the_maintained_scripts_only():
     assert sorted(p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")) == sorted(KEPT)
 
 
+def test_a_bench_runs_as_a_script():
+    """What the batched runs below stand for: a bench started as a program of its own."""
+    proc = _run("layers", "--help")
+    assert proc.returncode == 0 and "--set MODULE.NAME=VALUE" in proc.stdout, proc.stderr
+    assert _run_all([("layers", ["--help"])])[0].stdout == proc.stdout
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory):
+    """Every bench's ``--help``, an unknown option, and (without a GPU) the shared options
+    with ``--set``, run once per module in one process: {(script, what): process}; each
+    options run writes under its own folder (``dirs``)."""
+    calls, keys, dirs = [], [], {}
+    for script in KEPT:
+        calls += [(script, ["--help"]), (script, ["--no-such-option"])]
+        keys += [(script, "help"), (script, "bad")]
+        if script != "dispatch_overhead" and not torch.cuda.is_available():
+            d = dirs[script] = tmp_path_factory.mktemp(script)
+            calls.append((script, ["--quick", "--json", str(d / "r.json"), "--plot",
+                                   str(d / "plots"), "--set", "matmul_gluon.MIN_TILES=1"]))
+            keys.append((script, "options"))
+    more = {("matmul", "cold"): ["--cold"], ("matmul", "quick"): ["--quick"],
+            ("flash_attn", "quick"): ["--quick"], ("host_backward", "rounds"): ["--rounds", "1"]}
+    calls += [(script, args) for (script, _), args in more.items()]
+    keys += list(more)
+    return dict(zip(keys, _run_all(calls))), dirs
+
+
 @pytest.mark.parametrize("script", KEPT)
-def test_every_bench_shares_the_command_line(script):
+def test_every_bench_shares_the_command_line(script, command_lines):
     """``--help`` lists the shared options; an unknown option is argparse's usage error."""
-    proc = _run(script, "--help")
+    runs, _ = command_lines
+    proc = runs[script, "help"]
     assert proc.returncode == 0, proc.stderr
     for option in ("--quick", "--json PATH", "--plot DIR", "--set MODULE.NAME=VALUE"):
         assert option in proc.stdout, (script, option)
-    bad = _run(script, "--no-such-option")
+    bad = runs[script, "bad"]
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-option" in bad.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
 @pytest.mark.parametrize("script", [s for s in KEPT if s != "dispatch_overhead"])
-def test_every_bench_takes_the_shared_options_then_asks_for_a_gpu(script, tmp_path):
+def test_every_bench_takes_the_shared_options_then_asks_for_a_gpu(script, command_lines):
     """The shared options parse and ``--set`` applies; the run then stops on this machine
     saying it needs a GPU, and writes nothing."""
-    proc = _run(script, "--quick", "--json", str(tmp_path / "r.json"), "--plot",
-                str(tmp_path / "plots"), "--set", "matmul_gluon.MIN_TILES=1")
+    runs, dirs = command_lines
+    proc = runs[script, "options"]
     assert proc.returncode != 0 and "GPU" in proc.stderr, proc.stderr
-    assert "usage:" not in proc.stderr and not list(tmp_path.iterdir())
+    assert "usage:" not in proc.stderr and not list(dirs[script].iterdir())
 
 
 def test_dispatch_overhead_runs_here_and_writes_its_results(tmp_path, device):
@@ -166,21 +231,19 @@ def test_flash_bench_rows_by_sequence_length():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
 @pytest.mark.parametrize("script,tests", [("matmul", "tests/test_matmul.py"),
                                           ("flash_attn", "tests/test_flash_attn.py")])
-def test_benches_exit_with_the_reason_without_a_gpu(script, tests):
+def test_benches_exit_with_the_reason_without_a_gpu(script, tests, command_lines):
     """Without a CUDA GPU a bench exits non-zero, saying why and what to run instead."""
-    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--quick"],
-                          capture_output=True, text=True, timeout=300)
+    proc = command_lines[0][script, "quick"]
     assert proc.returncode != 0
     assert f"bench/{script}.py measures NVIDIA GPUs" in proc.stderr and tests in proc.stderr
 
 
-def test_matmul_bench_cold_rotates_operand_copies():
+def test_matmul_bench_cold_rotates_operand_copies(command_lines):
     bench = _load("matmul")
     copies = [(i, -i) for i in range(3)]
     fn = bench.rotating(lambda a, b: (a, b), copies)
     assert [fn() for _ in range(5)] == [copies[0], copies[1], copies[2], copies[0], copies[1]]
-    proc = subprocess.run([sys.executable, str(BENCH / "matmul.py"), "--cold"],
-                          capture_output=True, text=True, timeout=300)
+    proc = command_lines[0]["matmul", "cold"]
     assert proc.returncode == 2 and "--cold needs --cudagraph" in proc.stderr
 
 
@@ -375,9 +438,8 @@ def test_declined_variants_read_n_a_not_error(script):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
-def test_host_backward_exits_with_the_reason_without_a_gpu():
-    proc = subprocess.run([sys.executable, str(BENCH / "host_backward.py"), "--rounds", "1"],
-                          capture_output=True, text=True, timeout=300)
+def test_host_backward_exits_with_the_reason_without_a_gpu(command_lines):
+    proc = command_lines[0]["host_backward", "rounds"]
     assert proc.returncode != 0 and "bench/host_backward.py measures NVIDIA GPUs" in proc.stderr
 
 

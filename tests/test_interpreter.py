@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import portable_kernels as pk
+import triton  # after portable_kernels, which chooses the interpreter
+import triton.language as tl
 
 from conftest import DEVICE
 
@@ -31,6 +33,17 @@ def _attention_reference(q, k, v):
     from portable_kernels.kernels.flash_attn import reference
 
     return reference(q, k, v)
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _four_x_plus_one(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _twice(_twice(tl.load(x_ptr + offs))) + 1)
 
 
 def _nan_at(x, index):
@@ -97,3 +110,27 @@ def _env(extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PK_INTERPRET")}
     env.update(extra)
     return env
+
+
+
+def test_helpers_share_their_kernels_language_patches(monkeypatch):
+    """A ``@triton.jit`` helper called inside an interpreted kernel reuses the patches of
+    the kernel's launch instead of walking ``triton.language`` again (``_SharedPatches``);
+    results are unchanged, and the launch's end restores the language as Triton would."""
+    from triton.runtime import interpreter
+
+    from portable_kernels import _interpreter
+
+    with _interpreter.Serialized():  # installs the wrapper, as every launch of ours does
+        pass
+    shared = interpreter._patch_lang
+    assert isinstance(shared, _interpreter._SharedPatches)
+    patched, real = [], shared.patch_lang
+    monkeypatch.setattr(shared, "patch_lang", lambda fn: patched.append(fn.__name__) or real(fn))
+    load = tl.load
+    x, out = torch.randn(16), torch.full((16,), NAN)
+    with _interpreter.Serialized():
+        _four_x_plus_one[(1,)](x, out, N=16)
+    torch.testing.assert_close(out, x * 4 + 1)
+    assert patched == ["_four_x_plus_one"]  # the helper's two calls patched nothing
+    assert tl.load is load and shared.patched is None  # restored at the launch's end
