@@ -44,6 +44,7 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import multiprocessing  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -750,6 +751,16 @@ def portability_table(rows: list[Row], targets: dict[str, dict], families: list[
     return "\n".join(lines) + "\n"
 
 
+def _compile_one(work: tuple) -> tuple[str, list[Row], dict, float]:
+    """One target's ``compile_target`` (in a worker process where ``--jobs`` asks)."""
+    global FORCED
+    name, families, quick, verbose, FORCED = work
+    t0 = time.time()
+    got, meta = compile_target(TARGETS[name], families, quick,
+                               log=print if verbose else (lambda *_: None))
+    return name, got, meta, time.time() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -762,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--portability", default=None,
                         help="write the target x family summary table here")
     parser.add_argument("--verbose", action="store_true", help="print each case as it compiles")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="targets compiled at once, each in its own process (default: "
+                        "one per CPU core)")
     parser.add_argument("--forced", action="store_true",
                         help="also the variants that run only when forced (priority below 0)")
     args = parser.parse_args(argv)
@@ -776,16 +790,25 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     rows: list[Row] = []
     meta: dict[str, dict] = {}
-    for name in targets:
-        t0 = time.time()
-        got, meta[name] = compile_target(TARGETS[name], families, args.quick,
-                                         log=print if args.verbose else (lambda *_: None))
+    jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(targets)))
+    work = [(name, families, args.quick, args.verbose, FORCED) for name in targets]
+    if jobs == 1:
+        results = map(_compile_one, work)
+    else:
+        # Forked before any kernel is compiled or tensor made here: nothing to inherit but
+        # imports. A forked worker ends with os._exit, as this script does (see the end).
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap(_compile_one, work)  # in target order, as each finishes
+    for name, got, meta[name], seconds in results:
         rows += got
         bad = sum(1 for r in got if r.error)
         print(f"{name:8} {TARGETS[name].gpu:20} {len(got):4} kernels, {bad} failed, "
               f"largest shared {max((r.shared for r in got), default=0) / 1024:.0f} of "
               f"{meta[name]['shared_memory'] / 1024:.0f} KB, "
-              f"{sum(1 for r in got if r.spills)} spill, {time.time() - t0:.0f} s", flush=True)
+              f"{sum(1 for r in got if r.spills)} spill, {seconds:.0f} s", flush=True)
+    if jobs > 1:
+        pool.close()
+        pool.join()
 
     header = (f"compile matrix · triton {triton.__version__} · {len(rows)} kernels · "
               f"{'quick' if args.quick else 'full'} · targets {', '.join(targets)}")
