@@ -106,21 +106,18 @@ class _SharedPatches:
         self.patch_lang = patch_lang
         self.language = language  # triton.language and triton.language.core
         self.patched: set[int] | None = None  # ids of the modules patched by the running launch
-        self.modules: dict[int, frozenset[int]] = {}  # id(fn.__globals__) -> its language modules
 
     def __call__(self, fn: Any) -> Any:
-        key = id(fn.__globals__)
-        modules = self.modules.get(key)
-        if modules is None:
-            modules = self.modules[key] = frozenset(
-                id(v) for v in fn.__globals__.values() if any(v is m for m in self.language))
+        # The language modules the function sees, as _patch_lang finds them.
+        tl, core = self.language
+        modules = {id(v) for v in fn.__globals__.values() if v is tl or v is core}
         if self.patched is not None:  # a helper called by the running kernel
             if modules <= self.patched:
                 return self._Nothing
             self.patched |= modules
             return self.patch_lang(fn)
         scope = self.patch_lang(fn)  # a launch: its scope is restored when it ends
-        self.patched = set(modules)
+        self.patched = modules
         restore = scope.restore
 
         def restore_all() -> None:
@@ -131,22 +128,21 @@ class _SharedPatches:
         return scope
 
 
-_shared_patches: _SharedPatches | None = None
+_patches_shared = False  # whether _share_patches ran
 
 
 def _share_patches() -> None:
     """Install :class:`_SharedPatches` in Triton's interpreter, where its internals are the
     ones it was written against (triton 3.6 to 3.9); elsewhere leave it as it is."""
-    global _shared_patches
+    global _patches_shared
     import triton.language as tl
     from triton.runtime import interpreter
 
+    _patches_shared = True
     patch_lang = getattr(interpreter, "_patch_lang", None)
-    if not callable(patch_lang) or not hasattr(interpreter, "_LangPatchScope"):
-        _shared_patches = False  # type: ignore[assignment]
-        return
-    _shared_patches = _SharedPatches(patch_lang, (tl, tl.core))
-    interpreter._patch_lang = _shared_patches
+    if callable(patch_lang) and hasattr(interpreter, "_LangPatchScope") \
+            and not isinstance(patch_lang, _SharedPatches):
+        interpreter._patch_lang = _SharedPatches(patch_lang, (tl, tl.core))
 
 
 class Serialized:
@@ -162,7 +158,7 @@ class Serialized:
 
         _LOCK.acquire()
         try:
-            if _shared_patches is None:
+            if not _patches_shared:
                 _share_patches()
             self._errstate = np.errstate(all="ignore")
             self._errstate.__enter__()
