@@ -28,7 +28,12 @@ over 1024.
                                 [--markdown OUT] [--json OUT] [--portability docs/portability.md]
 
 ``--quick``: fp16 only (and one fp8 format for fp8 configs), one config per row class:
-the form CI runs. ``--portability``: the summary table of docs/portability.md (target x
+the form CI runs, with ``--budget``: no case starts after that many seconds (split evenly
+among the targets), and cases compile in coverage order (one case of every family and
+variant, the selected variant first, then a second of each...). Triton's cache holds what
+compiled before, so the whole quick matrix takes seconds; after a kernel changes, its
+recompilation for nine targets takes minutes of CPU, and the budget bounds it, leaving the
+rest reported for a later run. ``--portability``: the summary table of docs/portability.md (target x
 family: selected variant, configs compiled, worst shared memory, spills). ``ci/sm90_compile.py``
 is this script's sm_90 slice. Needs no GPU and no CUDA or ROCm install.
 """
@@ -673,8 +678,23 @@ FAMILIES = {
 
 # --- running and reporting ----------------------------------------------------------------
 
-def compile_target(target: Target, families: list[str], quick: bool, log=print) -> tuple[list[Row], dict]:
-    """Every case of ``families`` compiled for ``target``; (rows, what the profile selects)."""
+def _coverage_order(first: list[list], rest: list[list]) -> list:
+    """Round-robin over case lists: the first case of each list in ``first``, then of each
+    in ``rest``, then the second cases likewise, ... so that a budget that stops early has
+    compiled every list's first cases."""
+    streams = first + rest
+    return [s[i] for i in range(max(map(len, streams), default=0)) for s in streams if i < len(s)]
+
+
+def compile_target(target: Target, families: list[str], quick: bool, log=print,
+                   budget: float | None = None) -> tuple[list[Row], dict]:
+    """Every case of ``families`` compiled for ``target``; (rows, what the profile selects,
+    and with ``budget`` how many cases it left uncompiled).
+
+    Cases compile in coverage order: one case of every family's selected variant, one of
+    each other variant, then a second of each, and so on. With ``budget`` (seconds) no case
+    starts after it is spent, so a cold Triton cache (a kernel changed) costs a bounded
+    time and still compiles each family's first cases; rows come back in family order."""
     host = plugins.host()
     device = host.emulation_profile(target.profile)
     compiler = Compiler(device.shared_memory, target=target)
@@ -683,30 +703,44 @@ def compile_target(target: Target, families: list[str], quick: bool, log=print) 
     def intercept(self, *a, grid, warmup, **kw):
         compiler.run(self, a, kw)
 
-    jit.JITFunction.run = intercept
     start = time.time()
+    choice = {f: selected(host, device, f) for f in families}
+    selected_cases: list[list] = []  # per family, its selected variant's cases
+    other_cases: list[list] = []     # per family and other variant, its cases
+    keyed: list[tuple[tuple[int, int], Row]] = []
+    left = 0
+    jit.JITFunction.run = intercept
     try:
-        for family in families:
-            compiler.family = family
-            for variant, name, launch in FAMILIES[family](host, device, quick):
-                compiler.variant, compiler.case = variant, name
-                before = len(compiler.rows)
-                try:
-                    launch()
-                except Exception as exc:  # a launcher failing before any kernel compiled
-                    first = (str(exc).splitlines() or [""])[0][:200]
-                    compiler.rows.append(Row(target.name, family, variant, name, "(launcher)",
-                                             error=f"{type(exc).__name__}: {first}"))
-                if len(compiler.rows) == before:
-                    compiler.rows.append(Row(target.name, family, variant, name, "(none)",
-                                             error="no kernel was launched"))
-                log(f"{time.time() - start:6.0f}s {target.name} {family}/{variant} {name}")
+        for f, family in enumerate(families):
+            by_variant: dict[str, list] = {}
+            for i, (variant, name, launch) in enumerate(FAMILIES[family](host, device, quick)):
+                # (f, i): the case's place in family order, the order rows come back in
+                by_variant.setdefault(variant, []).append(((f, i), family, variant, name, launch))
+            for variant, cases in by_variant.items():
+                (selected_cases if variant == choice[family] else other_cases).append(cases)
+        for place, family, variant, name, launch in _coverage_order(selected_cases, other_cases):
+            if budget is not None and time.time() - start > budget:
+                left += 1
+                continue
+            compiler.family, compiler.variant, compiler.case = family, variant, name
+            before = len(compiler.rows)
+            try:
+                launch()
+            except Exception as exc:  # a launcher failing before any kernel compiled
+                first = (str(exc).splitlines() or [""])[0][:200]
+                compiler.rows.append(Row(target.name, family, variant, name, "(launcher)",
+                                         error=f"{type(exc).__name__}: {first}"))
+            if len(compiler.rows) == before:
+                compiler.rows.append(Row(target.name, family, variant, name, "(none)",
+                                         error="no kernel was launched"))
+            keyed += [(place, row) for row in compiler.rows[before:]]
+            log(f"{time.time() - start:6.0f}s {target.name} {family}/{variant} {name}")
     finally:
         jit.JITFunction.run = real_run
-    choice = {f: selected(host, device, f) for f in families}
-    return compiler.rows, {"profile": target.profile, "name": device.name,
-                           "shared_memory": device.shared_memory, "selected": choice,
-                           "capabilities": sorted(device.capabilities)}
+    rows = [row for _, row in sorted(keyed, key=lambda kr: kr[0])]
+    return rows, {"profile": target.profile, "name": device.name,
+                  "shared_memory": device.shared_memory, "selected": choice,
+                  "capabilities": sorted(device.capabilities), "uncompiled": left}
 
 
 def markdown(rows: list[Row], header: str) -> str:
@@ -754,10 +788,10 @@ def portability_table(rows: list[Row], targets: dict[str, dict], families: list[
 def _compile_one(work: tuple) -> tuple[str, list[Row], dict, float]:
     """One target's ``compile_target`` (in a worker process where ``--jobs`` asks)."""
     global FORCED
-    name, families, quick, verbose, FORCED = work
+    name, families, quick, verbose, budget, FORCED = work
     t0 = time.time()
     got, meta = compile_target(TARGETS[name], families, quick,
-                               log=print if verbose else (lambda *_: None))
+                               log=print if verbose else (lambda *_: None), budget=budget)
     return name, got, meta, time.time() - t0
 
 
@@ -778,6 +812,10 @@ def main(argv: list[str] | None = None) -> int:
                         "one per CPU core)")
     parser.add_argument("--forced", action="store_true",
                         help="also the variants that run only when forced (priority below 0)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="start no case after this many seconds, shared evenly by the "
+                        "targets (cases in coverage order: each family's selected variant "
+                        "first); the cases left are reported, not failed")
     args = parser.parse_args(argv)
     global FORCED
     FORCED = args.forced
@@ -791,7 +829,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     meta: dict[str, dict] = {}
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(targets)))
-    work = [(name, families, args.quick, args.verbose, FORCED) for name in targets]
+    # Each worker takes about ceil(targets / jobs) targets in turn: each gets that share.
+    share = None if args.budget is None else args.budget / math.ceil(len(targets) / jobs)
+    work = [(name, families, args.quick, args.verbose, share, FORCED) for name in targets]
     if jobs == 1:
         results = map(_compile_one, work)
     else:
@@ -805,13 +845,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:8} {TARGETS[name].gpu:20} {len(got):4} kernels, {bad} failed, "
               f"largest shared {max((r.shared for r in got), default=0) / 1024:.0f} of "
               f"{meta[name]['shared_memory'] / 1024:.0f} KB, "
-              f"{sum(1 for r in got if r.spills)} spill, {seconds:.0f} s", flush=True)
+              f"{sum(1 for r in got if r.spills)} spill, {seconds:.0f} s"
+              + (f", {meta[name]['uncompiled']} cases left by --budget" if meta[name]["uncompiled"]
+                 else ""), flush=True)
     if jobs > 1:
         pool.close()
         pool.join()
 
     header = (f"compile matrix · triton {triton.__version__} · {len(rows)} kernels · "
-              f"{'quick' if args.quick else 'full'} · targets {', '.join(targets)}")
+              f"{'quick' if args.quick else 'full'}"
+              + (f" · budget {args.budget:g} s" if args.budget is not None else "")
+              + f" · targets {', '.join(targets)}")
     if args.markdown:
         Path(args.markdown).write_text(markdown(rows, header))
     if args.json:
@@ -828,6 +872,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.spill or 0} (scratch {r.scratch or 0} B)")
     for r in failed:
         print(f"FAILED {r.target} {r.family}/{r.variant} {r.case} {r.kernel}: {r.error}")
+    left = sum(m["uncompiled"] for m in meta.values())
+    if left:
+        print(f"--budget {args.budget:g} s left {left} cases uncompiled: Triton's cache did not "
+              f"hold them (a kernel or config changed); without --budget every case compiles")
     return 1 if failed else 0
 
 

@@ -240,6 +240,28 @@ def test_compile_matrix_compiles_a_family(target, tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert {"_softmax_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_dx_kernel"} <= kernels
     assert all(r["error"] == "" and r["regs"] for r in rows), rows
+    # Compiled in coverage order, reported in family order.
+    families = [r["family"] for r in rows]
+    assert families == sorted(families, key=["softmax", "layer_norm"].index), families
+
+
+def test_compile_matrix_coverage_order():
+    """A budget that stops early has compiled the first case of every selected variant,
+    then of every other variant, before any second case."""
+    code = ("import sys, os; sys.path.insert(0, 'ci'); import compile_matrix as cm\n"
+            "print(cm._coverage_order([['a1', 'a2', 'a3'], ['b1']], [['c1', 'c2']])); os._exit(0)\n")
+    assert _in_fresh_process(code).stdout.strip() == "['a1', 'b1', 'c1', 'a2', 'c2', 'a3']"
+
+
+def test_compile_matrix_budget_reports_what_it_left():
+    """With the budget spent, the cases left are reported and do not fail the run."""
+    done = subprocess.run([sys.executable, "ci/compile_matrix.py", "--quick", "--targets", "gfx942",
+                           "--families", "softmax,layer_norm", "--budget", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "0 kernels, 0 failed" in done.stdout and "cases left by --budget" in done.stdout, done.stdout
+    left = int(done.stdout.split("--budget 0 s left ")[1].split()[0])
+    assert left >= 2, done.stdout
 
 
 def test_compile_matrix_fails_on_a_resource_over_the_limit():
