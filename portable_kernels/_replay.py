@@ -27,7 +27,10 @@ global scratch or a host tensor descriptor, two arguments that are one tensor, o
 gradient in play: the call is not recorded and its signature keeps the full path. The
 replay is generated straight-line Python (``Recipe.source``): allocate, read the current
 stream, call each binary's launcher with the new addresses (plus the recorded byte offset of
-a view) and the recorded scalars, build the result.
+a view) and the recorded scalars, build the result. Memory is held no longer than the full
+path holds it: an allocation is made before its first launch and dropped after its last, and
+temporaries carved from one workspace share bytes where their launches do not interleave
+(a chunk loop's chunks).
 
 Families opt in per variant (``Variant.replay``): the flag says the launcher's behaviour is
 a function of the signature alone (no state kept between calls, no randomness drawn on the
@@ -420,16 +423,34 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
     uses_inputs = jit or _reads_inputs(template)
     if uses_inputs:
         src.add("t = _tensors(args, kwargs)")
-    carved = _workspace(src, rec, template) if direct and not jit else set()
-    for k, (size, stride, dtype, device, zero) in enumerate(rec.allocs):
+    live = _live(rec)
+    returned: set[int] = set()
+    _allocations_in(template, returned)
+    carved = _workspace(src, rec, live, returned) if direct and not jit else set()
+
+    def allocate(k: int, depth: int) -> None:
+        size, stride, dtype, device, zero = rec.allocs[k]
+        src.add(f"a{k} = _empty_strided({src.name(size)}, {src.name(stride)}, "
+                f"dtype={src.name(dtype)}, device={src.name(device)})", depth)
+        if zero:
+            src.add(f"a{k}.zero_()", depth)
+        if direct:
+            src.add(f"q{k} = a{k}.data_ptr()", depth)
+
+    # The others are allocated before their first launch and, unless returned, dropped
+    # after their last (as the full path's chunk loops free their temporaries); those no
+    # launch uses, first.
+    starts: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {}
+    for k in range(len(rec.allocs)):
         if k in carved:
             continue
-        src.add(f"a{k} = _empty_strided({src.name(size)}, {src.name(stride)}, "
-                f"dtype={src.name(dtype)}, device={src.name(device)})")
-        if zero:
-            src.add(f"a{k}.zero_()")
-        if direct:
-            src.add(f"q{k} = a{k}.data_ptr()")
+        if k not in live:
+            allocate(k, 1)
+            continue
+        starts.setdefault(live[k][0], []).append(k)
+        if k not in returned:
+            ends.setdefault(live[k][1], []).append(k)
     depth = 1
     if jit:
         device = rec.roots["in"][0].device if rec.roots["in"] else torch.device("cpu")
@@ -437,7 +458,9 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
         depth = 2
     for index in devices:
         src.add(f"s{index} = _stream({index})")
-    for step in rec.steps:
+    for i, step in enumerate(rec.steps):
+        for k in starts.get(i, ()):
+            allocate(k, depth)
         if step[0] == "direct":
             _, binary, kernel, g, refs, scalars, tail, device_index, launcher = step
             values = [_pointer(src, rec, ref) for ref in refs]
@@ -457,6 +480,8 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
                       for item in items]
             src.add(f"{src.name(fn, '_J')}[{src.name(grid, '_G')}]({', '.join(values)}, "
                     f"**{src.name(keywords, '_W')})", depth)
+        for k in ends.get(i, ()):
+            src.add(f"del a{k}", depth)
     src.add(f"return {_result(src, rec, template)}")
     source = "def replay(args, kwargs, p):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.names)
@@ -470,29 +495,65 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
 _CARVE_ALIGN = 512
 
 
-def _workspace(src: _Source, rec: _Recorder, template: tuple) -> set[int]:
+def _live(rec: _Recorder) -> dict[int, list[int]]:
+    """Each allocation a launch uses: ``[first, last]``, the indices of the first and last
+    step that launches on it (or on a view of it)."""
+    live: dict[int, list[int]] = {}
+    for i, step in enumerate(rec.steps):
+        refs = step[4] if step[0] == "direct" else [item for item in step[3] if item[0] != "const"]
+        for ref in refs:
+            if ref[0] == "alloc":
+                live.setdefault(ref[1], [i, i])[1] = i
+    return live
+
+
+def _workspace(src: _Source, rec: _Recorder, live: dict[int, list[int]],
+               returned: set[int]) -> set[int]:
     """Carve the allocations that only launches use (not returned, not zero-filled) from
     one allocation: each ``torch.empty`` costs about as much host time as a launch (the
     norms' statistics rows, split-K partials, the decode split's partial outputs). Emits
-    the workspace and the carved allocations' addresses; returns their indices."""
-    returned = set()
-    _allocations_in(template, returned)
+    the workspace and the carved allocations' addresses; returns their indices.
+
+    Two allocations whose launches do not interleave share bytes (:func:`_places`): the
+    full path frees a chunk loop's temporaries as it goes (the fused loss's logits chunks),
+    and the replay, which allocates up front, must not hold them all at once."""
     carve = [k for k, alloc in enumerate(rec.allocs) if k not in returned and not alloc[4]]
     if len(carve) < 2 or len({rec.allocs[k][3] for k in carve}) != 1:
         return set()
-    offset, places = 0, []
+    spans = []
     for k in carve:
         size, stride, dtype = rec.allocs[k][:3]
         span = 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
-        places.append((k, offset))
-        offset += -(-span * dtype.itemsize // _CARVE_ALIGN) * _CARVE_ALIGN
+        spans.append((k, -(-span * dtype.itemsize // _CARVE_ALIGN) * _CARVE_ALIGN,
+                      *live.get(k, (-1, -1))))
+    places, total = _places(spans)
     device = rec.allocs[carve[0]][3]
-    src.add(f"w = _empty_strided(({max(offset, 1)},), (1,), dtype={src.name(torch.uint8)}, "
+    src.add(f"w = _empty_strided(({max(total, 1)},), (1,), dtype={src.name(torch.uint8)}, "
             f"device={src.name(device)})")
     src.add("qw = w.data_ptr()")
     for k, off in places:
         src.add(f"q{k} = qw + {off}" if off else f"q{k} = qw")
     return set(carve)
+
+
+def _places(spans: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int]], int]:
+    """Byte offsets in one workspace for ``(allocation, bytes, first step, last step)``:
+    each at the lowest offset where it overlaps no allocation whose steps overlap its own
+    (the launches run in order on one stream, so memory whose last launch came before
+    another's first can be that one's); ``([(allocation, offset)], workspace bytes)``."""
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    out, total = [], 0
+    for k, nbytes, first, last in spans:
+        busy = sorted((o, e) for o, e, f, l in placed if f <= last and first <= l)
+        offset = 0
+        for o, e in busy:
+            if offset + nbytes <= o:
+                break
+            offset = max(offset, e)
+        placed.append((offset, offset + nbytes, first, last))
+        out.append((k, offset))
+        total = max(total, offset + nbytes)
+    return out, total
 
 
 def _allocations_in(template: tuple, found: set) -> None:
@@ -582,16 +643,27 @@ class Replays:
         grad = torch.is_grad_enabled()
         key = [_context.current.get()]
         pointers = []
+        device_type = None
         for a in (itertools.chain(args, kwargs.values()) if kwargs else args):
             kind = type(a)
             if kind in _TENSORS:
                 if grad and a.requires_grad:
                     return None
                 p = a.data_ptr()
-                key.append((a.dtype, a.shape, a.stride(), a.device, p & 15))
+                device = a.device
+                if device.type != device_type:
+                    if device_type is not None:
+                        # A host tensor beside device ones: its values may steer the host
+                        # code (a host read the dispatch mode does not see).
+                        return None
+                    device_type = device.type
+                key.append((a.dtype, a.shape, a.stride(), device, p & 15))
                 pointers.append(p)
-            elif kind in _SCALARS or (kind is tuple and all(type(v) in _SCALARS for v in a)):
+            elif kind in _SCALARS:
                 key.append(kind)
+                key.append(a)
+            elif kind is tuple and all(type(v) in _SCALARS for v in a):
+                key.append(tuple(map(type, a)))  # (1, 0) == (1.0, 0) == (True, 0)
                 key.append(a)
             else:
                 return None
@@ -609,6 +681,10 @@ class Replays:
         recipe yet, recorded where the signature was seen before."""
         tries = self.tries.get(key)
         if tries is None:  # the first call: it may compile and tune
+            if len(self.tries) + len(self.recipes) >= MAX_KEYS and self.tries:
+                # Make room: the signature seen longest ago (calls whose scalars change
+                # every time, a decode step's length, would otherwise fill every slot).
+                del self.tries[next(iter(self.tries))]
             if len(self.tries) + len(self.recipes) < MAX_KEYS:
                 self.tries[key] = 0
             return full(args, kwargs)

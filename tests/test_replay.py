@@ -177,6 +177,8 @@ def test_the_signature_tells_apart_calls_that_may_take_another_path():
     assert key(x, y) != key(x, torch.zeros(16)[::2])  # other strides
     assert key(x, eps=1.0) != key(x, 1.0)  # keywords by name
     assert key(x, [y]) is None  # a list: not a signature
+    assert key(x, (1, 0)) != key(x, (1.0, 0))  # scalars in tuples by type too
+    assert key(x, torch.zeros(8, device="meta")) is None  # tensors on two kinds of device
     w = torch.zeros(8, requires_grad=True)
     assert key(x, w) is None  # a gradient in play
     with torch.no_grad():
@@ -284,3 +286,71 @@ def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypat
     assert made[-1] == ()  # the replay's launcher checks nothing: the signature fixed it all
     assert first.launches == second.launches == 2  # a replay's launches count as direct ones
     assert "w = _empty_strided" in recipe.source
+
+
+def test_workspace_shares_bytes_between_allocations_whose_launches_do_not_interleave():
+    """(allocation, bytes, first step, last step) -> offsets: a chunk loop's temporaries
+    (each used by its own launches only) share one place; one used across them does not."""
+    places, total = _replay._places([(0, 512, 0, 1), (1, 512, 2, 3), (2, 1024, 1, 2), (3, 512, 4, 4)])
+    offsets = dict(places)
+    assert offsets[0] == offsets[1] == offsets[3] == 0  # steps 0-1, 2-3, 4: never at once
+    assert offsets[2] >= 512 and total == offsets[2] + 1024  # lives across both chunks
+    # Allocations no launch uses (first = last = -1) overlap nothing that launches.
+    assert dict(_replay._places([(0, 512, 0, 0), (1, 512, -1, -1)])[0]) == {0: 0, 1: 0}
+
+
+def test_a_replayed_chunk_loop_holds_one_chunk_at_a_time(replaying, device):
+    """The fused loss frees each logits chunk before the next one allocates; its replay
+    allocates each chunk before the chunk's first launch and drops it after its last,
+    rather than holding every chunk from the start (the whole (T, V) logits)."""
+    import re
+
+    from portable_kernels.kernels import fused_linear_cross_entropy as flce
+
+    handle = pk.get_kernel("fused_linear_cross_entropy")
+    (hidden, weight, target), _ = flce.inputs(f"{3 * flce.MIN_CHUNK_ROWS}x16x40", torch.float16, device)
+    with torch.no_grad():
+        want = handle(hidden, weight, target)
+        for _ in range(3):
+            assert torch.equal(handle(hidden, weight, target), want)
+    (recipe,) = plugins.host().replays["fused_linear_cross_entropy"].recipes.values()
+    assert recipe is not None and recipe.calls >= 1
+    names = recipe.run.__globals__  # the constants the source names
+    live, chunks, most = set(), 0, 0
+    for line in recipe.source.splitlines():
+        if made := re.search(r"\b(a\d+) = _empty_strided\((_c\d+),", line):
+            if len(size := names[made[2]]) == 2 and size[1] == 40:  # a (rows, V) logits chunk
+                live.add(made[1])
+                chunks += 1
+        elif dropped := re.search(r"del (a\d+)", line):
+            live.discard(dropped[1])
+        most = max(most, len(live))
+    assert chunks >= 2 and most == 1, recipe.source
+
+
+def test_signatures_seen_once_make_room_for_new_ones(monkeypatch):
+    """Calls whose scalars change every time (a decode step's length) would fill every
+    tracked slot: the signature seen longest ago makes room, and a repeated one records."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+    monkeypatch.setattr(_replay, "MAX_KEYS", 4)
+    replays = _replay.Replays("test")
+    x = torch.zeros(4)
+    for n in range(8):  # eight signatures, each seen once
+        replays.call(replays.signature((x, n), {})[0], lambda args, kwargs: None, (x, n), {})
+    assert len(replays.tries) == 4
+    key, _ = _record(replays, lambda plan, x, n: torch.empty_like(x), x, 99)
+    assert replays.recipes.get(key) is not None, replays.why
+
+
+def test_a_plan_taken_inside_a_recorded_call_must_replay_too(monkeypatch):
+    """A family that launches another's plan (the fused loss's products) is recorded only
+    where that plan's variant replays as well."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+    replays = _replay.Replays("test")
+
+    def nested(plan, x):
+        pk.get_kernel("dropout").plan(x, 0.5, 1)  # dropout draws on the host: no replay
+        return torch.empty_like(x)
+
+    key, _ = _record(replays, nested, torch.zeros(4))
+    assert replays.recipes.get(key) is None and "does not replay" in replays.why[key], replays.why
