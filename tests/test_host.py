@@ -39,3 +39,14 @@ def test_scratch_allocator_lends_torch_memory_for_the_launch_only(device):
         assert _allocation._allocator.get() is callers
     finally:
         _allocation._allocator.reset(token)
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("1", True), (" Yes ", True), ("on", True),
+                                       ("0", False), ("off", False), ("", False)])
+def test_check_values_follows_the_environment(monkeypatch, value, on):
+    """Read on every call (from os.environ's own mapping, kept current by every write)."""
+    if value is None:
+        monkeypatch.delenv("PK_CHECK_VALUES", raising=False)
+    else:
+        monkeypatch.setenv("PK_CHECK_VALUES", value)
+    assert _host.check_values() is on

@@ -81,6 +81,14 @@ def check_bool(kernel: str, arg: str, value: Any) -> None:
         raise ArgumentError(f"{kernel}: {arg} must be a bool, got {type(value).__name__} {value!r}")
 
 
+# ``os.environ.get`` of an unset name raises and catches a KeyError inside (about 2 µs on
+# the CPU machine, as much as a view op): per-call reads look in the mapping's own dict,
+# which every write through ``os.environ`` (``monkeypatch.setenv`` too) keeps current.
+_ENVIRON = getattr(os.environ, "_data", None)
+_CHECK_VALUES_KEY = (os.environ.encodekey("PK_CHECK_VALUES")
+                     if _ENVIRON is not None and hasattr(os.environ, "encodekey") else None)
+
+
 def check_values() -> bool:
     """Whether checks that need tensor values on the host (a device sync: monotonic
     ``cu_seqlens``, target indices in range, block tables inside the cache) should run:
@@ -89,7 +97,14 @@ def check_values() -> bool:
     for replay notes that it asked (its replays decline while the checks are on)."""
     if _replay.RECORDING:
         _replay.note_value_checks()
-    return os.environ.get("PK_CHECK_VALUES", "").strip().lower() in ("1", "true", "yes", "on")
+    if _CHECK_VALUES_KEY is not None:
+        raw = _ENVIRON.get(_CHECK_VALUES_KEY)
+        if raw is None:
+            return False
+        value = os.environ.decodevalue(raw)
+    else:
+        value = os.environ.get("PK_CHECK_VALUES", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 class CheckedCalls:
