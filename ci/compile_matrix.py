@@ -333,11 +333,13 @@ def memory_bound_cases(kernel: str):
 def _layer_norm(module, plan, x, weight, bias) -> None:
     y, rows, mean, rstd = module._forward(plan, x, weight, bias, 1e-5)
     module._backward(plan, torch.empty_like(rows), rows, weight, mean, rstd)
+    module._forward(plan, x, weight, bias, 1e-5, stats=False)  # inference: no statistics
 
 
 def _rms_norm(module, plan, x, weight) -> None:
     y, rows, rstd = module._forward(plan, x, weight, 1e-6, 1.0)
     module._backward(plan, torch.empty_like(rows), rows, weight, rstd, 1.0)
+    module._forward(plan, x, weight, 1e-6, 1.0, stats=False)
 
 
 #: Families whose backward kernels are called through their stages (forward and backward).
@@ -367,6 +369,7 @@ def _add_rms_norm(module, plan, x, residual, weight) -> None:
     out, summed, rstd = module._forward(plan, x, residual, weight, 1e-6, 0.0)
     module._backward(plan, torch.empty_like(summed), torch.empty_like(summed), summed, weight,
                      rstd, 0.0)
+    module._forward(plan, x, residual, weight, 1e-6, 0.0, stats=False)
 
 
 NORMS.update(rope=_rope_both, add_rms_norm=_add_rms_norm)

@@ -129,6 +129,40 @@ def test_no_grad_builds_no_graph(device, gen):
     assert_close(out, reference(x, w, b), tolerance(torch.float32, "reduction"))
 
 
+@pytest.mark.parametrize("kernel", ["layer_norm", "rms_norm", "add_rms_norm"])
+def test_inference_allocates_no_statistics(device, gen, kernel):
+    """Without a backward to come the norms allocate no per-row mean or 1/std (fp32, one
+    per row), which only a backward reads: allocations are a good part of a small call's
+    host time. The results are the training path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    rows = 6
+
+    class Statistics(TorchDispatchMode):  # fp32 (rows,) tensors made, by any operator
+        def __init__(self):
+            super().__init__()
+            self.made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (rows,):
+                self.made += 1
+            return out
+
+    x, w, b = _inputs((rows, 300), gen, device, torch.float16)
+    args = {"layer_norm": (x, w, b), "rms_norm": (x, w), "add_rms_norm": (x, torch.randn_like(x), w)}[kernel]
+    handle = pk.get_kernel(kernel)
+    handle(*args)  # compiles and tunes outside the count
+    with torch.no_grad(), Statistics() as seen:
+        got = handle(*args)
+    assert seen.made == 0
+    with Statistics() as seen:
+        training = handle(*(t.detach().requires_grad_() for t in args))
+    assert seen.made >= 1  # the check can fail: training keeps them
+    for g, want in zip(*((v if isinstance(v, tuple) else (v,)) for v in (got, training))):
+        assert torch.equal(g, want.detach())
+
+
 def test_errors(device, gen):
     x, w, b = _inputs((3, 8), gen, device, torch.float32)
     with pytest.raises(ValueError, match=r"layer_norm: weight must have shape \(8,\).*got \(9,\)"):

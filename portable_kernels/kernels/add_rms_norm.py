@@ -46,9 +46,10 @@ def _check(x, residual, weight, eps, offset) -> None:
     rms_norm._check(x, weight, eps, offset, NAME)
 
 
-def _forward(plan, x, residual, weight, eps, offset):
-    """(out, new_residual as (M, N), rstd)."""
-    out, summed, _, rstd = layer_norm._forward(plan, x, weight, None, eps, offset, residual)
+def _forward(plan, x, residual, weight, eps, offset, stats: bool = True):
+    """(out, new_residual as (M, N), rstd); ``rstd`` None without ``stats``."""
+    out, summed, _, rstd = layer_norm._forward(plan, x, weight, None, eps, offset, residual,
+                                               stats=stats)
     return out, summed, rstd
 
 
@@ -74,7 +75,7 @@ def launch(plan, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
                                     or weight.requires_grad):
         return _AddRMSNormFunction.apply(x, residual, weight, eps, offset, plan)
-    out, summed, _ = _forward(plan, x, residual, weight.contiguous(), eps, offset)
+    out, summed, _ = _forward(plan, x, residual, weight.contiguous(), eps, offset, stats=False)
     return out, summed.reshape(x.shape)
 
 

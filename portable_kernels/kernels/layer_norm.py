@@ -101,6 +101,7 @@ def _layer_norm_fwd_kernel(
     RMS: tl.constexpr = False,        # rms_norm: no mean, no bias (rms_norm.py)
     ADD: tl.constexpr = False,        # add_rms_norm: normalize x + residual, store the sum
     ONE_CHUNK: tl.constexpr = False,  # the row fits one BLOCK_N chunk: read it once
+    STATS: tl.constexpr = True,       # store mean and rstd (a backward reads them)
 ):
     # --- program id to a tile of rows ---
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -119,9 +120,10 @@ def _layer_norm_fwd_kernel(
             mean = tl.sum(x, axis=1) / n_cols
         d = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / n_cols + eps)
-        if not RMS:
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        if STATS:
+            if not RMS:
+                tl.store(mean_ptr + rows, mean, mask=row_mask)
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
         y = d * rstd[:, None] * w[None, :]
         if not RMS:
@@ -154,9 +156,10 @@ def _layer_norm_fwd_kernel(
         acc += d * d
     var = tl.sum(acc, axis=1) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
-    if not RMS:
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if STATS:
+        if not RMS:
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
     # --- pass 3: normalize, scale, shift, write back ---
     # ADD sums the inputs again rather than read back the stored sum: another thread of
@@ -441,18 +444,23 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, n_cols) if n_cols else t.reshape(math.prod(t.shape[:-1]), 0)
 
 
-def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None):
+def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None, stats: bool = True):
     """(y, rows, mean, rstd): ``rows`` is ``x`` as (M, N), a view where strides allow.
     ``bias`` None: rms_norm (no mean, no bias; ``mean`` is ``rstd`` itself), with
     ``offset`` added to the weight. ``residual`` (``x``'s shape): add_rms_norm, which
     normalizes ``x + residual`` (in ``x``'s dtype); ``rows`` is then that sum, a new
-    contiguous (M, N) tensor."""
+    contiguous (M, N) tensor. ``stats`` False (no backward to come): no mean or rstd is
+    allocated or stored, and both are None (two allocations are about a quarter of a small
+    call's host time)."""
     rows = _as_rows(x)
     n_rows, n_cols = rows.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    # rms_norm stores no mean: its kernel gets rstd's pointer there and never writes it.
-    mean = rstd if bias is None else torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if stats:
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        # rms_norm stores no mean: its kernel gets rstd's pointer there and never writes it.
+        mean = rstd if bias is None else torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    else:
+        mean = rstd = None
     add = residual is not None
     res_rows = _as_rows(residual) if add else rows
     out_rows = torch.empty_like(y) if add else rows  # the new residual (ADD); else unread
@@ -463,12 +471,13 @@ def _forward(plan, x, weight, bias, eps, offset: float = 0.0, residual=None):
                                               lambda: _blocks(plan, n_rows, n_cols))
     rms = bias is None
     plan.direct(_layer_norm_fwd_kernel)[(_host.cdiv(n_rows, block_m),)](
-        rows, weight, weight if rms else bias, y, mean, rstd, res_rows, out_rows if add else y,
+        rows, weight, weight if rms else bias, y, y if mean is None else mean,  # STATS off:
+        y if rstd is None else rstd, res_rows, out_rows if add else y,        # never written
         n_rows, n_cols, rows.stride(0), rows.stride(1), res_rows.stride(0), res_rows.stride(1),
         y.stride(0), float(eps), float(offset),
         BLOCK_M=block_m, BLOCK_N=block_n, RMS=rms, ADD=add,
         # A row that fits one chunk is read once (the streamed passes read it three times).
-        ONE_CHUNK=n_cols <= block_n, num_warps=num_warps, **plan.switches,
+        ONE_CHUNK=n_cols <= block_n, STATS=stats, num_warps=num_warps, **plan.switches,
     )
     return (y if x.dim() == 2 else y.view(x.shape)), out_rows, mean, rstd
 
@@ -537,7 +546,7 @@ def launch(plan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     _check(x, weight, bias, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return _LayerNormFunction.apply(x, weight, bias, eps, plan)
-    return _forward(plan, x, weight.contiguous(), bias.contiguous(), eps)[0]
+    return _forward(plan, x, weight.contiguous(), bias.contiguous(), eps, stats=False)[0]
 
 
 # --- autograd -------------------------------------------------------------------------------

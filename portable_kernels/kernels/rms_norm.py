@@ -68,9 +68,9 @@ def _check(x, weight, eps, offset, name: str = NAME) -> None:
         raise _host.InputError(f"{name}: offset must be finite, got offset={offset}")
 
 
-def _forward(plan, x, weight, eps, offset):
-    """(y, rows, rstd): ``rows`` is ``x`` as (M, N)."""
-    y, rows, _, rstd = layer_norm._forward(plan, x, weight, None, eps, offset)
+def _forward(plan, x, weight, eps, offset, stats: bool = True):
+    """(y, rows, rstd): ``rows`` is ``x`` as (M, N); ``rstd`` None without ``stats``."""
+    y, rows, _, rstd = layer_norm._forward(plan, x, weight, None, eps, offset, stats=stats)
     return y, rows, rstd
 
 
@@ -91,7 +91,7 @@ def launch(plan, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     _check(x, weight, eps, offset)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFunction.apply(x, weight, eps, offset, plan)
-    return _forward(plan, x, weight.contiguous(), eps, offset)[0]
+    return _forward(plan, x, weight.contiguous(), eps, offset, stats=False)[0]
 
 
 class _RMSNormFunction(torch.autograd.Function):
