@@ -150,6 +150,33 @@ def test_no_fp32_copy_of_the_logits(gen, device):
     assert x.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inference_keeps_no_lse(gen, device, reduction):
+    """Without a backward to come only the row losses are allocated per row, not the
+    log-sum-exp a backward reads; the loss is the training path's."""
+    logits, target = _inputs(gen, device, torch.bfloat16, 8, 3000)
+    cross_entropy(logits, target)  # compiles outside the count
+
+    class PerRowFp32(TorchDispatchMode):  # new fp32 (T,) tensors (the interpreter's set_
+        def __init__(self):                # views of the arguments are not new)
+            super().__init__()
+            self.made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += (func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided)
+                          and out.dtype == torch.float32 and out.shape == (8,))
+            return out
+
+    with torch.no_grad(), PerRowFp32() as seen:
+        got = cross_entropy(logits, target, reduction=reduction)
+    assert seen.made == 1
+    with PerRowFp32() as seen:
+        want = cross_entropy(logits.detach().requires_grad_(), target, reduction=reduction)
+    assert seen.made == 2  # the check can fail: training keeps the LSE
+    assert torch.equal(got, want.detach())
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"target": "shape"}, r"cross_entropy: target must have shape \(6,\)"),
     ({"target": "float"}, r"cross_entropy: target has dtype float32; supported: int64, int32"),

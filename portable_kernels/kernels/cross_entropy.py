@@ -80,6 +80,7 @@ def _cross_entropy_kernel(
     # meta-parameters
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
     BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, Z_LOSS: tl.constexpr,
+    STORE_LSE: tl.constexpr = True,  # pass 1 stores the LSE (a later backward reads it)
 ):
     # --- this program's rows; int64, since row * stride passes 2**31 for large T x V ---
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -123,7 +124,8 @@ def _cross_entropy_kernel(
             loss += z_loss * lse * lse
         loss = tl.where(counted, tl.where(in_range, loss, float("nan")), 0.0)
         tl.store(loss_ptr + rows, loss, mask=row_mask)
-        tl.store(lse_ptr + rows, lse, mask=row_mask)
+        if STORE_LSE:
+            tl.store(lse_ptr + rows, lse, mask=row_mask)
     else:
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
 
@@ -254,26 +256,29 @@ def _switches(label_smoothing, z_loss, softcap) -> dict:
     return {"SOFTCAP": softcap is not None, "SMOOTH": label_smoothing > 0, "Z_LOSS": z_loss > 0}
 
 
-def run(plan, logits, target, *, loss=None, lse, grad=None, scale=None, bias=None,
+def run(plan, logits, target, *, loss=None, lse=None, grad=None, scale=None, bias=None,
         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None) -> None:
     """Launch the kernel on checked arguments: pass 1 when ``loss`` is given (writing
-    ``loss`` and ``lse``, (T,) fp32), else reading ``lse``; pass 2 when ``grad`` is given
-    (contiguous rows; may be ``logits`` itself), scaled per row by ``scale`` (fp32, (T,)
-    or 0-d for one scale). For the launchers of this family and of
+    ``loss`` and, when given, ``lse``, (T,) fp32), else reading ``lse``; pass 2 when
+    ``grad`` is given (contiguous rows; may be ``logits`` itself), scaled per row by
+    ``scale`` (fp32, (T,) or 0-d for one scale). For the launchers of this family and of
     ``fused_linear_cross_entropy``."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
+    if lse is None and loss is None:
+        raise ValueError("cross_entropy.run: a gradient pass without pass 1 reads lse")
     grid, meta = _meta(plan, n_rows, n_cols)
-    dummy = lse
+    dummy = loss if lse is None else lse  # an fp32 tensor for the pointers left unread
     _host.launcher(plan, _cross_entropy_kernel)[grid](
-        logits, target, dummy if bias is None else bias, dummy if loss is None else loss, lse,
+        logits, target, dummy if bias is None else bias, dummy if loss is None else loss, dummy,
         dummy if grad is None else grad, dummy if scale is None else scale,
         n_rows, n_cols, logits.stride(0), logits.stride(1), 0 if grad is None else grad.stride(0),
         target.stride(0), 0 if scale is None or scale.dim() == 0 else scale.stride(0),
         ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
         LOSS=loss is not None, GRAD=grad is not None, BIAS=bias is not None,
-        **_switches(label_smoothing, z_loss, softcap), **meta, **plan.switches)
+        STORE_LSE=lse is not None, **_switches(label_smoothing, z_loss, softcap), **meta,
+        **plan.switches)
 
 
 #: Rows the reduction program adds per step.
@@ -302,11 +307,14 @@ def upstream_scale(grad: torch.Tensor, target: torch.Tensor, ignore_index: int, 
     return grad
 
 
-def _forward(plan, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
-    """(loss, lse): the reduced fp32 loss and the (T,) fp32 log-sum-exp of ``z``."""
+def _forward(plan, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
+             keep_lse: bool = True):
+    """(loss, lse): the reduced fp32 loss and the (T,) fp32 log-sum-exp of ``z`` (None
+    without ``keep_lse``: an inference call's backward never comes, and the allocation
+    costs about as much host time as a launch)."""
     n_rows = logits.shape[0]
     rows = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if keep_lse else None
     run(plan, logits, target, loss=rows, lse=lse, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     return reduce(plan, rows, target, ignore_index, reduction), lse
@@ -340,7 +348,7 @@ def launch(plan, logits: torch.Tensor, target: torch.Tensor, ignore_index: int =
             None if softcap is None else float(softcap), reduction)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _CrossEntropyFunction.apply(logits, target, plan, *args)
-    return _forward(plan, logits, target, *args)[0]
+    return _forward(plan, logits, target, *args, keep_lse=False)[0]
 
 
 class _CrossEntropyFunction(torch.autograd.Function):

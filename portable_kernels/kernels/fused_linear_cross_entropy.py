@@ -136,7 +136,6 @@ def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(F
     n_classes = weight.shape[0]
     device = hidden.device
     rows = torch.empty(n_rows, dtype=torch.float32, device=device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     grads = any(needs)
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if needs[0] else None
     step = chunk_rows(n_rows, n_classes, width)
@@ -152,7 +151,8 @@ def _chunks(plan, hidden, weight, target, bias, options, *, scale=None, needs=(F
         h = hidden[start:end]
         logits = _product(h, weight_t)
         chunk_scale = scale if scale is None or scale.dim() == 0 else scale[start:end]
-        cross_entropy.run(plan, logits, target[start:end], loss=rows[start:end], lse=lse[start:end],
+        # Pass 2 reads the LSE pass 1 left in registers: none is stored.
+        cross_entropy.run(plan, logits, target[start:end], loss=rows[start:end],
                           grad=logits if grads else None, scale=chunk_scale, bias=bias,
                           ignore_index=ignore_index, label_smoothing=label_smoothing,
                           z_loss=z_loss, softcap=softcap)
