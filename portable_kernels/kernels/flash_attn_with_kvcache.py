@@ -137,9 +137,9 @@ def _pages(table_row, s_t1, start_n, end, PAGE: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def _flash_attn_with_kvcache_kernel(
     # pointers
-    Q, K, V, Out, Lse, PartO, PartLse, Seqlens, Table, Alibi, Sinks,
-    # sizes
-    B, H_KV, Nq, D, seqlen_const, n_new, sm_scale2,
+    Q, K, V, Out, Lse, PartO, Seqlens, Table, Alibi, Sinks,
+    # sizes; the element offset of the split LSEs, which follow the split outputs in PartO
+    B, H_KV, Nq, D, seqlen_const, n_new, sm_scale2, part_lse_off,
     # strides: q (b, n, h, d), caches (block or batch, row, head, dim), block table,
     # output (b, n, h, d), LSE (b, h, n), ALiBi slopes (b, h)
     s_qb, s_qn, s_qh, s_qd, s_kb, s_kn, s_kh, s_kd, s_vb, s_vn, s_vh, s_vd,
@@ -152,6 +152,7 @@ def _flash_attn_with_kvcache_kernel(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     TABLE_AHEAD: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    STORE_LSE: tl.constexpr = True,
 ):
     # --- program id to (split, sequence, K/V head, packed rows) -------------------------------
     split = tl.program_id(0)
@@ -293,8 +294,9 @@ def _flash_attn_with_kvcache_kernel(
         o_ptrs = (Out + b.to(tl.int64) * s_ob + qi[:, None].to(tl.int64) * s_on
                   + h[:, None].to(tl.int64) * s_oh + offs_d[None, :] * s_od)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
-        tl.store(Lse + b.to(tl.int64) * s_lb + h.to(tl.int64) * s_lh + qi * s_ln, lse2 * LN2,
-                 mask=row_ok)
+        if STORE_LSE:
+            tl.store(Lse + b.to(tl.int64) * s_lb + h.to(tl.int64) * s_lh + qi * s_ln,
+                     lse2 * LN2, mask=row_ok)
     else:
         # A partial: this split's normalised output and log2-sum-exp (0 and -inf when it
         # saw no key), in fp32 scratch laid out (split, b, n, h, d); the sink waits for
@@ -302,18 +304,18 @@ def _flash_attn_with_kvcache_kernel(
         out, lse2 = _finish(acc, m, l, tl.full([BLOCK_M], float("-inf"), tl.float32))
         prow = ((split * B + b) * Nq + qi).to(tl.int64) * (GROUP * H_KV) + h
         tl.store(PartO + prow[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_ok[:, None])
-        tl.store(PartLse + prow, lse2, mask=row_ok)
+        tl.store(PartO + part_lse_off + prow, lse2, mask=row_ok)
 
 
 # --- the merge of the splits -------------------------------------------------------------------
 
 @triton.jit
 def _flash_attn_with_kvcache_combine_kernel(
-    PartO, PartLse, Out, Lse, Sinks,
-    R, Nq, H, D,
+    PartO, Out, Lse, Sinks,
+    R, Nq, H, D, part_lse_off,
     s_ob, s_on, s_oh, s_od, s_lb, s_lh, s_ln,
     NUM_SPLITS: tl.constexpr, SINKS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr = True,
 ):
     # Rows r = (b * Nq + n) * H + h of every split, merged by their LSEs: the running max
     # of the log2-sum-exps keeps every weight 2^(lse_s - M) <= 1.
@@ -328,7 +330,7 @@ def _flash_attn_with_kvcache_combine_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for s in range(NUM_SPLITS):
         prow = s * R + offs_r.to(tl.int64)
-        lse_s = tl.load(PartLse + prow, mask=r_ok, other=float("-inf"))
+        lse_s = tl.load(PartO + part_lse_off + prow, mask=r_ok, other=float("-inf"))
         o_s = tl.load(PartO + prow[:, None] * BLOCK_D + offs_d[None, :], mask=r_ok[:, None],
                       other=0.0)
         m_new = tl.maximum(m, lse_s)
@@ -348,8 +350,9 @@ def _flash_attn_with_kvcache_combine_kernel(
     o_ptrs = (Out + b[:, None].to(tl.int64) * s_ob + n[:, None].to(tl.int64) * s_on
               + h[:, None].to(tl.int64) * s_oh + offs_d[None, :] * s_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(Lse + b.to(tl.int64) * s_lb + h.to(tl.int64) * s_lh + n * s_ln,
-             lse2 * 0.6931471805599453, mask=r_ok)
+    if STORE_LSE:
+        tl.store(Lse + b.to(tl.int64) * s_lb + h.to(tl.int64) * s_lh + n * s_ln,
+                 lse2 * 0.6931471805599453, mask=r_ok)
 
 
 # --- host side ---------------------------------------------------------------------------------
@@ -641,12 +644,15 @@ def launch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # problem() checked the call (the handle calls it to select the plan).
     c = derive(q, k_cache, k, cache_seqlens, block_table, causal, sm_scale, window_size,
                softcap, alibi_slopes, sinks)
-    out, lse = run(plan, q, k_cache, v_cache, k, v, block_table, c, num_splits)
+    out, lse = run(plan, q, k_cache, v_cache, k, v, block_table, c, num_splits, return_lse)
     return (out, lse) if return_lse else out
 
 
-def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: int):
-    """Append, attend and (with several splits) combine, for a checked call ``c``."""
+def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: int,
+        keep_lse: bool = True):
+    """Append, attend and (with several splits) combine, for a checked call ``c``:
+    ``(out, lse)``, lse None without ``keep_lse`` (then neither allocated nor stored: a
+    decode step's host time is mostly allocations and launches)."""
     batch, n_q, h, d = q.shape
     h_kv = k_cache.shape[2]
     group = h // h_kv
@@ -657,7 +663,7 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
                              block_t=cfg.kwargs.get("WRITE_BLOCK_T", 16),
                              num_warps=min(cfg.num_warps, 4))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, h, n_q), device=q.device, dtype=torch.float32)
+    lse = torch.empty((batch, h, n_q), device=q.device, dtype=torch.float32) if keep_lse else None
     if out.numel() == 0:
         return out, lse
     block_m, block_n, extra, warps, m_tiles, splits, block_d, stages, ahead = plan.cached(
@@ -665,13 +671,16 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
         lambda: _grid(plan, n_q * group, batch * h_kv, c.capacity, d, q.element_size(),
                       num_splits))
     o = c.options
+    rows = batch * n_q * h
     if splits > 1:
-        part_o = torch.empty((splits, batch, n_q, h, block_d), device=q.device,
-                             dtype=torch.float32)
-        part_lse = torch.empty((splits, batch, n_q, h), device=q.device, dtype=torch.float32)
+        # The splits' fp32 outputs (split, b, n, h, d), then their LSEs (split, b, n, h):
+        # one allocation.
+        part_o = torch.empty(splits * rows * (block_d + 1), device=q.device, dtype=torch.float32)
+        part_lse_off = splits * rows * block_d
     else:
-        part_o = part_lse = lse  # unused
-    placeholder = lse
+        part_o, part_lse_off = out, 0  # unused
+    placeholder = out  # for the pointers a switch leaves unread
+    lse_strides = (0, 0, 0) if lse is None else lse.stride()
     switches = plan.switches
     # TMA applies to contiguous caches only (the kernel ignores it for a paged one); one
     # whose layout no descriptor fits takes pointer loads for this call.
@@ -682,29 +691,29 @@ def run(plan, q, k_cache, v_cache, k, v, block_table, c: Checked, num_splits: in
     # Device-side descriptors need global scratch memory at launch.
     with _host.scratch(q.device, tma):
         _host.launcher(plan, _flash_attn_with_kvcache_kernel)[(splits, batch * h_kv, m_tiles)](
-            q, k_cache, v_cache, out, lse, part_o, part_lse,
+            q, k_cache, v_cache, out, placeholder if lse is None else lse, part_o,
             placeholder if c.seqlens is None else c.seqlens,
             placeholder if block_table is None else block_table,
             placeholder if o.alibi is None else o.alibi,
             placeholder if o.sinks is None else o.sinks,
-            batch, h_kv, n_q, d, c.seqlen_const, c.n_new, c.scale * _attn_mods.LOG2E,
+            batch, h_kv, n_q, d, c.seqlen_const, c.n_new, c.scale * _attn_mods.LOG2E, part_lse_off,
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
             *((0, 0) if block_table is None else block_table.stride()),
-            *out.stride(), *lse.stride(), *((0, 0) if o.alibi is None else o.alibi.stride()),
+            *out.stride(), *lse_strides, *((0, 0) if o.alibi is None else o.alibi.stride()),
             o.left, o.right, o.softcap2,
             GROUP=group, PAGE=k_cache.shape[1] if c.paged else 0, NUM_SPLITS=splits,
             HAS_SEQLENS=c.seqlens is not None, CAUSAL=o.causal, WINDOW=o.window,
             SOFTCAP=o.softcap2 > 0, ALIBI=o.alibi is not None, SINKS=o.sinks is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, TABLE_AHEAD=ahead and c.paged,
-            num_warps=warps, num_stages=stages, **switches, **extra)
+            STORE_LSE=lse is not None, num_warps=warps, num_stages=stages, **switches, **extra)
     if splits > 1:
-        rows = batch * n_q * h
         block_r = cfg.kwargs.get("BLOCK_R", 16)
         _host.launcher(plan, _flash_attn_with_kvcache_combine_kernel)[(_host.cdiv(rows, block_r),)](
-            part_o, part_lse, out, lse, placeholder if o.sinks is None else o.sinks,
-            rows, n_q, h, d, *out.stride(), *lse.stride(),
+            part_o, out, placeholder if lse is None else lse,
+            placeholder if o.sinks is None else o.sinks,
+            rows, n_q, h, d, part_lse_off, *out.stride(), *lse_strides,
             NUM_SPLITS=splits, SINKS=o.sinks is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=min(warps, 4))
+            STORE_LSE=lse is not None, num_warps=min(warps, 4))
     return out, lse
 
 
