@@ -192,6 +192,23 @@ def _time(fn, iters: int) -> float:
         return _common.per_call_us(call, iters)
 
 
+#: family -> why some of its calls took the full path with replays on (printed under the
+#: table: a row whose "ours" and "no replay" columns match is usually one of these).
+NOT_REPLAYED: dict[str, set[str]] = {}
+
+
+def _note_not_replayed() -> None:
+    for family, replays in plugins.host().replays.items():
+        if not replays.active:
+            continue
+        reasons = {replays.why.get(key, "?") for key, recipe in replays.recipes.items()
+                   if recipe is None}
+        reasons |= {f"never recorded (seen, {replays.why.get(key, 'no reason kept')})"
+                    for key in replays.tries}
+        if reasons:
+            NOT_REPLAYED.setdefault(family, set()).update(reasons)
+
+
 def measure(iters: int, env: dict) -> dict:
     """µs per call of every case with the variables ``env``, on plans built afresh. The
     variables and the plans are put back afterwards: plans built under a setting would keep
@@ -200,8 +217,10 @@ def measure(iters: int, env: dict) -> dict:
     os.environ.update(env)
     plugins.host().clear_caches()
     try:
-        return {name: {impl: _time(fn, iters) for impl, fn in impls.items()}
-                for name, impls in cases().items()}
+        times = {name: {impl: _time(fn, iters) for impl, fn in impls.items()}
+                 for name, impls in cases().items()}
+        _note_not_replayed()
+        return times
     finally:
         for name, value in before.items():
             if value is None:
@@ -254,9 +273,12 @@ def main() -> None:
                      f"{fmt(r['flaggems'])} | {fmt(r['liger'])} | {r['direct'] / r['torch']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
+    for family, reasons in sorted(NOT_REPLAYED.items()):
+        print(f"not replayed: {family}: {'; '.join(sorted(reasons))}")
     _common.write(args.json, rows, {**_common.meta(info, False), "peers": _peers.versions(),
                                     "rounds": args.rounds,
-                                    "iters": args.iters, "settings": settings, "runs": runs},
+                                    "iters": args.iters, "settings": settings, "runs": runs,
+                                    "not_replayed": {f: sorted(r) for f, r in NOT_REPLAYED.items()}},
                   lambda _: table)
     if args.json:
         print(f"wrote {args.json} and its .md")

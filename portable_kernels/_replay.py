@@ -38,9 +38,9 @@ host, no launch outside the plan). ``PK_CHECK_VALUES=1`` is honoured: a recipe w
 consulted it declines while it is set, so the value checks run.
 
 ``PK_REPLAY=direct`` replays direct launches only (NVIDIA GPUs, see
-``_direct.supported``); ``PK_REPLAY=1`` also records JIT launches (tests use it on the CPU
-interpreter, where nothing is gained but the recording is exercised); ``PK_REPLAY=0`` or
-unset: off (:data:`DEFAULT`).
+``_direct.supported``), the default (:data:`DEFAULT`); ``PK_REPLAY=1`` also records JIT
+launches (tests use it on the CPU interpreter, where nothing is gained but the recording is
+exercised); ``PK_REPLAY=0``: off.
 """
 from __future__ import annotations
 
@@ -93,11 +93,10 @@ _ZERO_ALLOCATIONS = frozenset({
 _ALIASES = frozenset({_aten.detach.default, _aten.alias.default})
 
 
-#: The mode where ``PK_REPLAY`` is unset. "off" until a GPU run of the suite with
-#: ``PK_REPLAY=direct`` has passed and bench/host_per_call.py has measured what replays
-#: save there: the recorder and the generated launches are checked on the interpreter and
-#: on stand-ins of NVIDIA's launcher only.
-DEFAULT = "off"
+#: The mode where ``PK_REPLAY`` is unset: direct launches (NVIDIA GPUs) are replayed. The
+#: suite passed with it on an H100, and bench/host_per_call.py measured 1.3-3x less host
+#: time per replayed call there (docs/performance.md).
+DEFAULT = "direct"
 
 
 def mode() -> str:
@@ -182,8 +181,10 @@ class Recipe:
         self.calls = 0
 
     def __call__(self, args: tuple, kwargs: dict, pointers: list) -> Any:
-        self.calls += 1
-        return self.run(args, kwargs, pointers)
+        out = self.run(args, kwargs, pointers)
+        if out is not DECLINED:
+            self.calls += 1
+        return out
 
 
 # A tensor's place in a recording: (kind, index, byte offset, size, stride, dtype), kind
@@ -626,7 +627,11 @@ class Replays:
 
     def clear(self) -> None:
         self.mode = mode()
-        self.active = self.mode != "off"  # handles skip the signature when off
+        # Handles skip the signature where nothing can record: off, or direct launches only
+        # where none can be made (no CUDA build of torch, PK_DIRECT_LAUNCH=0, a Triton whose
+        # launchers are not verified), as on a CPU-only machine.
+        self.active = self.mode == "all" or (self.mode == "direct"
+                                             and _direct.supported("nvidia", False))
         self.recipes.clear()
         self.tries.clear()
         self.why.clear()
@@ -643,21 +648,28 @@ class Replays:
         grad = torch.is_grad_enabled()
         key = [_context.current.get()]
         pointers = []
-        device_type = None
+        first = None  # the first tensor's device index, or device where it has none
         for a in (itertools.chain(args, kwargs.values()) if kwargs else args):
             kind = type(a)
             if kind in _TENSORS:
                 if grad and a.requires_grad:
                     return None
                 p = a.data_ptr()
-                device = a.device
-                if device.type != device_type:
-                    if device_type is not None:
-                        # A host tensor beside device ones: its values may steer the host
-                        # code (a host read the dispatch mode does not see).
-                        return None
-                    device_type = device.type
-                key.append((a.dtype, a.shape, a.stride(), device, p & 15))
+                # The device's index, not a.device: making and hashing a device object per
+                # tensor was half of a GPU call's signature (about 1 of 2.5 us a tensor).
+                index = a.get_device()
+                if index < 0:  # the host, meta or another device without an index
+                    index = a.device
+                if first is None:
+                    first = index
+                    if type(index) is int:
+                        key.append(a.device.type)  # once
+                elif type(index) is not type(first) or (type(index) is not int
+                                                        and index.type != first.type):
+                    # A host tensor beside device ones: its values may steer the host code
+                    # (a host read the dispatch mode does not see).
+                    return None
+                key.append((a.dtype, a.shape, a.stride(), index, p & 15))
                 pointers.append(p)
             elif kind in _SCALARS:
                 key.append(kind)

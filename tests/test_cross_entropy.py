@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 import portable_kernels as pk
 from portable_kernels.kernels.cross_entropy import reference
 from portable_kernels.testing import assert_close, tolerance
+
+from allocations import Outputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = {
@@ -122,31 +122,16 @@ def test_no_rows(device):
     assert cross_entropy(logits, target, reduction="none").shape == (0,)
 
 
-class _Allocations(TorchDispatchMode):
-    """The dtype and size of every tensor an operator returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.seen.append((t.dtype, t.numel()))
-        return out
-
-
 def test_no_fp32_copy_of_the_logits(gen, device):
     """bf16 logits: forward and backward allocate no fp32 tensor beyond per-row vectors
     (the interpreter's own copies of the arguments keep their dtypes, so they do not
     count)."""
     logits, target = _inputs(gen, device, torch.bfloat16, 8, 3000)
     x = logits.requires_grad_()
-    with _Allocations() as seen:
+    with Outputs() as seen:
         loss = cross_entropy(x, target, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
         loss.backward()
-    assert max(n for dtype, n in seen.seen if dtype == torch.float32) <= 8
+    assert max(t.numel() for t in seen.tensors() if t.dtype == torch.float32) <= 8
     assert x.grad.dtype == torch.bfloat16
 
 
@@ -156,24 +141,12 @@ def test_inference_keeps_no_lse(gen, device, reduction):
     log-sum-exp a backward reads; the loss is the training path's."""
     logits, target = _inputs(gen, device, torch.bfloat16, 8, 3000)
     cross_entropy(logits, target)  # compiles outside the count
-
-    class PerRowFp32(TorchDispatchMode):  # new fp32 (T,) tensors (the interpreter's set_
-        def __init__(self):                # views of the arguments are not new)
-            super().__init__()
-            self.made = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.made += (func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided)
-                          and out.dtype == torch.float32 and out.shape == (8,))
-            return out
-
-    with torch.no_grad(), PerRowFp32() as seen:
+    with torch.no_grad(), Outputs() as seen:
         got = cross_entropy(logits, target, reduction=reduction)
-    assert seen.made == 1
-    with PerRowFp32() as seen:
+    assert seen.new(torch.float32, (8,)) == 1
+    with Outputs() as seen:
         want = cross_entropy(logits.detach().requires_grad_(), target, reduction=reduction)
-    assert seen.made == 2  # the check can fail: training keeps the LSE
+    assert seen.new(torch.float32, (8,)) == 2  # the check can fail: training keeps the LSE
     assert torch.equal(got, want.detach())
 
 

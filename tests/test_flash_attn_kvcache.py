@@ -23,6 +23,7 @@ import portable_kernels as pk
 from portable_kernels import ops, plugins
 from portable_kernels.testing import assert_close, tolerance
 
+from allocations import Outputs
 from conftest import ON_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,32 +74,19 @@ def test_split_scratch_is_one_allocation_and_lse_only_when_asked(gen, device):
     """A split decode allocates its fp32 partial outputs and LSEs as one tensor, and no LSE
     unless ``return_lse``: each allocation is host time in a decode step. The outputs with
     and without the LSE are the same bits."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     q, kc, vc, k, v, seqlens, table = _paged(gen, device, torch.float16, n_q=2, n_new=2)
-
-    class Fp32Made(TorchDispatchMode):  # new fp32 tensors (the interpreter's set_ views of
-        def __init__(self):              # the arguments are not new)
-            super().__init__()
-            self.made = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.made += (func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided)
-                          and out.dtype == torch.float32)
-            return out
 
     def call(return_lse):  # the handle: a custom op hides its body's allocations from a mode
         return pk.get_kernel(NAME)(q, kc.clone(), vc.clone(), k, v, seqlens, table,
                                    causal=True, num_splits=3, return_lse=return_lse)
 
     want, _ = call(True)  # compiles outside the count
-    with Fp32Made() as seen:
+    with Outputs() as seen:
         got = call(False)
-    assert seen.made == 1
-    with Fp32Made() as seen:
+    assert seen.new(torch.float32) == 1
+    with Outputs() as seen:
         call(True)
-    assert seen.made == 2  # the check can fail: the LSE is one more
+    assert seen.new(torch.float32) == 2  # the check can fail: the LSE is one more
     assert torch.equal(got, want)
 
 

@@ -8,12 +8,12 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 import portable_kernels as pk
 from portable_kernels.kernels import fused_linear_cross_entropy as flce
 from portable_kernels.kernels.fused_linear_cross_entropy import chunk_rows, reference
 from portable_kernels.testing import assert_close, tolerance
+
+from allocations import Outputs
 
 OPTIONS = {
     "plain": {},
@@ -155,22 +155,6 @@ def test_second_backward_raises_instead_of_scaling_twice(gen, device):
     assert torch.equal(w.grad, first)
 
 
-class _Largest(TorchDispatchMode):
-    """The largest tensor (in elements) any operator returns, of dtypes other than uint8:
-    the interpreter's own byte copies of launch arguments are not the library's."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_never_allocates_the_logits(reduction, gen, device):
     """Forward and backward allocate nothing of T x V elements: at most a chunk of logits,
@@ -178,12 +162,14 @@ def test_never_allocates_the_logits(reduction, gen, device):
     rows, width, n_classes = 32, 16, 256
     hidden, weight, target, b = _inputs(gen, device, torch.float32, rows, width, n_classes, bias=True)
     leaves = [t.requires_grad_() for t in (hidden, weight, b)]
-    with _Largest() as seen:
+    with Outputs() as seen:
         loss = fused(*leaves[:2], target, leaves[2], reduction=reduction, softcap=5.0)
         loss.sum().backward()
     step = chunk_rows(rows, n_classes, width)
     assert step < rows
-    assert seen.largest <= max(step * n_classes, n_classes * width, rows * width) < rows * n_classes
+    # uint8: the interpreter's byte copies of launch arguments are not the library's
+    largest = max(t.numel() for t in seen.tensors() if t.dtype != torch.uint8)
+    assert largest <= max(step * n_classes, n_classes * width, rows * width) < rows * n_classes
 
 
 def test_one_logits_chunk_alive_at_a_time(gen, device, monkeypatch):
@@ -217,18 +203,9 @@ def test_operator_backward_allocates_nothing_of_the_weights_size(gen, device):
     hidden, weight, target, _ = _inputs(gen, device, torch.float32, 32, 16, 256)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     loss = ops.fused_linear_cross_entropy(h, w, target)
-    made = []
-
-    class NewTensors(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func._schema.name.endswith("_"):  # in-place operators return their input
-                made.extend(t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,))
-                            if isinstance(t, torch.Tensor))
-            return out
-
-    with NewTensors():
+    with Outputs() as seen:
         dh, dw = torch.autograd.grad(loss, [h, w])
+    made = [t.numel() for t in seen.tensors()]
     assert all(n < w.numel() for n in made), made  # no zeros of the weight's size
     assert dw.shape == w.shape and dh.shape == h.shape
 
