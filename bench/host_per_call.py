@@ -245,6 +245,24 @@ def main() -> None:
         for setting, env in SETTINGS.items():
             runs[setting].append(measure(args.iters, env))
             print(f"round {r + 1}/{args.rounds}: {setting} done", flush=True)
+        # Written after every round: a run cut short (a device call's time limit) keeps the
+        # rounds it finished.
+        rows, table = _table(runs, r + 1, info)
+        _common.write(args.json, rows, {**_common.meta(info, False), "peers": _peers.versions(),
+                                        "rounds": r + 1, "iters": args.iters,
+                                        "settings": settings, "runs": runs,
+                                        "not_replayed": {f: sorted(why) for f, why
+                                                         in NOT_REPLAYED.items()}},
+                      lambda _: table)
+    print(table)
+    for family, reasons in sorted(NOT_REPLAYED.items()):
+        print(f"not replayed: {family}: {'; '.join(sorted(reasons))}")
+    if args.json:
+        print(f"wrote {args.json} and its .md")
+
+
+def _table(runs: dict[str, list[dict]], rounds: int, info) -> tuple[list[dict], str]:
+    """The rows (medians over the finished rounds) and their Markdown table."""
     rows = []
     for name in runs["direct"][0]:
         row = {"case": name}
@@ -257,7 +275,7 @@ def main() -> None:
             j[name]["ours"] / d[name]["ours"] for d, j in zip(runs["direct"], runs["jit"]))
         rows.append(row)
     header = (_common.header("eager host time per call", info, False).replace(" · median of do_bench", "")
-              + f" · one process, median of {args.rounds} rounds")
+              + f" · one process, median of {rounds} rounds")
     lines = [header, "", "µs per call (a call costs the larger of its host and device time)", "",
              "| case | ours | ours, no replay | ours, Triton's launcher | ours, JIT launches | torch "
              "| FlagGems | Liger | ours / torch |",
@@ -271,17 +289,7 @@ def main() -> None:
                      f"{r['triton_launcher']:.1f} | {r['jit']:.1f} | "
                      f"{fmt(r['torch'])} | "
                      f"{fmt(r['flaggems'])} | {fmt(r['liger'])} | {r['direct'] / r['torch']:.2f} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    for family, reasons in sorted(NOT_REPLAYED.items()):
-        print(f"not replayed: {family}: {'; '.join(sorted(reasons))}")
-    _common.write(args.json, rows, {**_common.meta(info, False), "peers": _peers.versions(),
-                                    "rounds": args.rounds,
-                                    "iters": args.iters, "settings": settings, "runs": runs,
-                                    "not_replayed": {f: sorted(r) for f, r in NOT_REPLAYED.items()}},
-                  lambda _: table)
-    if args.json:
-        print(f"wrote {args.json} and its .md")
+    return rows, "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -424,6 +424,30 @@ def test_host_per_call_rebuilds_plans_for_each_setting(monkeypatch, device):
     assert after is not plans[-1]
 
 
+def test_host_per_call_keeps_the_rounds_it_finished(monkeypatch, tmp_path, device):
+    """A run cut short (a device call's time limit) leaves the table of its finished
+    rounds: host_per_call writes JSON and Markdown after every round."""
+    bench = _load("host_per_call")
+    passes = iter(range(100))
+
+    def measure(iters, env):
+        n = next(passes)
+        if n == len(bench.SETTINGS):  # the second round's first pass: cut short
+            raise KeyboardInterrupt
+        return {"vector_add": {"ours": 10.0 + n, "torch": 5.0}}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench._common, "nvidia_gpu", lambda *a: pk.device_info(device))
+    monkeypatch.setattr(sys, "argv", ["host_per_call.py", "--rounds", "2", "--json",
+                                      str(tmp_path / "host.json")])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    saved = json.loads((tmp_path / "host.json").read_text())
+    assert saved["rounds"] == 1 and saved["rows"][0]["direct"] == 10.0
+    assert saved["rows"][0]["jit"] == 10.0 + list(bench.SETTINGS).index("jit")
+    assert "| vector_add | 10.0 |" in (tmp_path / "host.md").read_text()
+
+
 @pytest.mark.parametrize("script", ["flash_attn", "matmul"])
 def test_declined_variants_read_n_a_not_error(script):
     """A variant that declines a row (too few tiles or keys) is listed with its reason and
