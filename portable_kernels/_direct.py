@@ -68,7 +68,12 @@ def describe(vendor: str, interpreted: bool, binary: Any) -> str:
                else f"direct launches need NVIDIA GPUs under triton {' or '.join(v + 'x' for v in VERIFIED)}")
         return f"Triton's JIT dispatch on every call ({why})"
     how = "its Triton launcher" if binary is None else getattr(binary, "__module__", None) or "the backend's"
-    return f"a seen call's compiled kernel directly, by {how}"
+    from . import _replay  # not at the top: _replay imports this module
+
+    replays = ("replays off (PK_REPLAY=0)" if _replay.mode() == "off" else
+               "from a signature's third call, the allocations and launches recorded at its "
+               "second (replays; PK_REPLAY=0 turns them off)")
+    return f"a seen call's compiled kernel directly, by {how}; {replays}"
 
 
 def _hooked() -> bool:

@@ -43,12 +43,12 @@ def test_info_json(capsys, fresh_host, device):
     if device.type == "cpu":
         assert data["launches"] == "Triton's interpreter"
     elif torch.version.cuda is not None and triton.__version__.startswith("3.6."):
-        assert data["launches"].endswith("by portable_kernels_backends.nvidia.launcher")
+        assert "by portable_kernels_backends.nvidia.launcher; from a signature's third call" in data["launches"]
 
 
 def test_the_launch_path_is_described_with_its_reason(monkeypatch):
     """What ``info`` says about launches: the interpreter, Triton's JIT dispatch and why,
-    or direct launches by the backend's launcher or Triton's."""
+    or direct launches by the backend's launcher or Triton's, and whether replays are on."""
     from portable_kernels import _direct
     from portable_kernels_backends.nvidia import launcher
 
@@ -56,8 +56,11 @@ def test_the_launch_path_is_described_with_its_reason(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     assert _direct.describe("nvidia", True, None) == "Triton's interpreter"
-    assert _direct.describe("nvidia", False, launcher.make).endswith("by portable_kernels_backends.nvidia.launcher")
-    assert _direct.describe("nvidia", False, None).endswith("by its Triton launcher")
+    monkeypatch.delenv("PK_REPLAY", raising=False)
+    assert "by portable_kernels_backends.nvidia.launcher; from a signature's third call" in \
+        _direct.describe("nvidia", False, launcher.make)
+    monkeypatch.setenv("PK_REPLAY", "0")
+    assert _direct.describe("nvidia", False, None).endswith("by its Triton launcher; replays off (PK_REPLAY=0)")
     assert "need NVIDIA GPUs under triton 3.6.x" in _direct.describe("amd", False, None)
     monkeypatch.setenv("PK_DIRECT_LAUNCH", "0")
     assert _direct.describe("nvidia", False, launcher.make).endswith("(PK_DIRECT_LAUNCH=0)")
