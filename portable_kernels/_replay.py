@@ -663,7 +663,7 @@ class Replays:
                 if first is None:
                     first = index
                     if type(index) is int:
-                        key.append(a.device.type)  # once
+                        key.append(a.is_cuda or a.device.type)  # once; is_cuda is cheaper
                 elif type(index) is not type(first) or (type(index) is not int
                                                         and index.type != first.type):
                     # A host tensor beside device ones: its values may steer the host code
