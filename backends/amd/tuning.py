@@ -96,17 +96,20 @@ def _flash_attn(device: DeviceInfo) -> list[triton.Config]:
 def _rdna_flash_attn(device: DeviceInfo) -> list[triton.Config]:
     # RDNA3 (32-lane waves, WMMA): 8 warps keep the forward within 256 VGPRs a lane
     # (64x32 at D=64 and 32x32 at D=128 spill nothing; with 4 warps the D=128 tiles
-    # spilled 7-111). Every backward tile tried spills (dk/dv 90-590 registers, dq
-    # 13-1100, from 16x16 to 64x64 blocks, 4 or 8 warps): docs/portability.md lists it as
-    # a known limit.
-    def cfg(bm, bn, bwd, row_bytes=None):
+    # spilled 7-111). The backward fits at D <= 64 with 16x16 blocks of 4 warps (dk/dv
+    # 199 VGPRs, dq 236; 16x32 with 8 warps spilled 29-45 in dq); wider rows spill in
+    # every tile tried (dk/dv 90-590 registers, dq 13-1100, from 16x16 to 64x64 blocks,
+    # 1 to 8 warps): docs/portability.md lists it as a known limit.
+    def cfg(bm, bn, bwd, row_bytes=None, bwd_warps=None):
         kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BWD_BLOCK_M": bwd[0], "BWD_BLOCK_N": bwd[1]}
+        if bwd_warps is not None:
+            kwargs["BWD_NUM_WARPS"] = bwd_warps  # the dq kernel's too (DQ_NUM_WARPS unset)
         if row_bytes is not None:
             kwargs["ROW_BYTES_MAX"] = row_bytes
         return triton.Config(kwargs, num_warps=8, num_stages=1)
 
-    return [cfg(64, 32, (16, 32), row_bytes=128), cfg(32, 32, (16, 32), row_bytes=256),
-            cfg(16, 32, (16, 16))]
+    return [cfg(64, 32, (16, 16), row_bytes=128, bwd_warps=4),
+            cfg(32, 32, (16, 32), row_bytes=256), cfg(16, 32, (16, 16))]
 
 
 def _flash_attn_with_kvcache(device: DeviceInfo) -> list[triton.Config]:
