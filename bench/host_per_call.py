@@ -1,9 +1,9 @@
 """Eager calls on small inputs, where the host's launch path, not the GPU, sets the pace:
-µs per call of each family, ours with direct launches (the default on NVIDIA GPUs, see
-``portable_kernels/_direct.py``) through the NVIDIA backend's C launcher, the same through
-each binary's Triton launcher (``PK_C_LAUNCHER=0``), ours through Triton's JIT launch
-(``PK_DIRECT_LAUNCH=0``),
-torch's own operator on the same inputs, and the peer Triton libraries' (FlagGems,
+µs per call of each family, ours as by default on NVIDIA GPUs (direct launches through the
+NVIDIA backend's C launcher, see ``portable_kernels/_direct.py``, and replays of seen
+signatures, ``portable_kernels/_replay.py``), the same without replays (``PK_REPLAY=0``),
+through each binary's Triton launcher (``PK_C_LAUNCHER=0``), through Triton's JIT launch
+(``PK_DIRECT_LAUNCH=0``), torch's own operator on the same inputs, and the peer Triton libraries' (FlagGems,
 Liger-Kernel: ``bench/_peers.py``) where installed and where they have the call. The rows
 are the small calls of a decode loop or a small batch, one or more per family: an add, a
 softmax, the norms, gated activations, rotary embedding and asin on 8 rows of 4096, a
@@ -11,7 +11,7 @@ softmax, the norms, gated activations, rotary embedding and asin on 8 rows of 40
 write, short attention (fixed and variable length), the losses on 8 tokens, dropout, a
 grouped product of 8 experts, and two backwards.
 
-One process runs the three settings, alternating over ``--rounds``. Plans decide on direct
+One process runs the four settings, alternating over ``--rounds``. Plans decide on direct
 launches when they are built, so each pass sets the variables and drops the plans
 (``PluginHost.clear_caches``); the new plans take their tuned configs from the tuning cache
 and Triton's compiled kernels from its in-memory cache. (An earlier version ran a process
@@ -26,7 +26,8 @@ each other in time).
     python bench/host_per_call.py [--quick] [--rounds 3] [--iters 2000] [--json PATH]
                                   [--set MODULE.NAME=VALUE ...]
 
-With ``--json PATH``, writes it and the Markdown table beside it.
+With ``--json PATH``, writes it and the Markdown table beside it after every round. Under
+the table, why each family's calls were not replayed, where some were not.
 """
 from __future__ import annotations
 
