@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 import portable_kernels as pk
 from portable_kernels.kernels.cross_entropy import reference
 from portable_kernels.testing import assert_close, tolerance

@@ -70,6 +70,7 @@ def test_split_count_does_not_change_the_result(gen, device, dtype):
         assert_close(out, ref, tol, f"output, {splits} splits")
         assert_close(lse, ref_lse, tolerance(torch.float32, "attention"), f"LSE, {splits} splits")
 
+
 def test_split_scratch_is_one_allocation_and_lse_only_when_asked(gen, device):
     """A split decode allocates its fp32 partial outputs and LSEs as one tensor, and no LSE
     unless ``return_lse``: each allocation is host time in a decode step. The outputs with
@@ -88,7 +89,6 @@ def test_split_scratch_is_one_allocation_and_lse_only_when_asked(gen, device):
         call(True)
     assert seen.new(torch.float32) == 2  # the check can fail: the LSE is one more
     assert torch.equal(got, want)
-
 
 
 def test_split_heuristic_fills_the_device_from_shapes_only():

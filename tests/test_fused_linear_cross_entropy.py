@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+
 import portable_kernels as pk
 from portable_kernels.kernels import fused_linear_cross_entropy as flce
 from portable_kernels.kernels.fused_linear_cross_entropy import chunk_rows, reference

@@ -225,6 +225,25 @@ def test_replay_is_off_with_pk_replay_0(monkeypatch, fresh_host, device, value):
         assert not replays.active and not recipes
 
 
+@pytest.mark.skipif(not ON_CPU, reason="the interpreter's JIT launches: CPU tensors")
+def test_direct_mode_does_not_record_jit_launches(monkeypatch, fresh_host, device):
+    """Where direct launches could be made (torch built with CUDA) but a call's launches go
+    through Triton's JIT (the interpreter), "direct" tries the signature once and keeps it
+    on the full path for good, saying why. (With torch's CPU wheel the handles are not
+    even active: the test above.)"""
+    monkeypatch.setenv("PK_REPLAY", "direct")
+    # As torch built with CUDA answers: direct launches for compiled kernels, not interpreted.
+    monkeypatch.setattr(_direct, "supported", lambda vendor, interpreted: not interpreted)
+    fresh_host()
+    handle = pk.get_kernel("vector_add")
+    x = torch.randn(64, device=device).half()
+    for _ in range(4):
+        assert torch.equal(handle(x, x), x + x)
+    replays = plugins.host().replays["vector_add"]
+    assert replays.active and list(replays.recipes.values()) == [None]
+    assert "launches through Triton's JIT" in next(iter(replays.why.values()))
+
+
 def test_value_checks_run_when_asked_after_a_recording(replaying, monkeypatch, device):
     """A recipe whose call consulted PK_CHECK_VALUES declines while it is set, so the
     checks it skipped (here: a slot past the cache) run."""
