@@ -40,7 +40,7 @@ import statistics
 
 import torch
 
-from portable_kernels import plugins
+from portable_kernels import _replay, plugins
 
 import _common  # bench/, beside this script
 import _peers
@@ -199,7 +199,11 @@ NOT_REPLAYED: dict[str, set[str]] = {}
 
 
 def _note_not_replayed() -> None:
-    for family, replays in plugins.host().replays.items():
+    host = plugins.host()
+    # Handles' replays, and the autograd stages' (``_replay.stage``: kept on each plan).
+    stages = {r.kernel: r for plan in host.launch_plans.values() for r in plan._tuned.values()
+              if isinstance(r, _replay.Replays)}
+    for family, replays in [*host.replays.items(), *stages.items()]:
         if not replays.active:
             continue
         reasons = {replays.why.get(key, "?") for key, recipe in replays.recipes.items()

@@ -23,7 +23,7 @@ when all it did was
 
 Any other operator (a copy of a non-contiguous input, a value read on the host, a fill), a
 launch through another path (an autotuner still timing), a kernel that takes Triton's
-global scratch or a host tensor descriptor, two arguments that are one tensor, or a
+profile scratch or a host tensor descriptor, two arguments that are one tensor, or a
 gradient in play: the call is not recorded and its signature keeps the full path. The
 replay is generated straight-line Python (``Recipe.source``): allocate, read the current
 stream, call each binary's launcher with the new addresses (plus the recorded byte offset of
@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _context, _direct
 from . import launch as _launch
 
-__all__ = ["Recipe", "Replays", "mode"]
+__all__ = ["Recipe", "Replays", "mode", "stage"]
 
 #: Recordings in progress in any thread: launches read it first, so that the common case
 #: (none) costs one module attribute read.
@@ -324,19 +324,22 @@ class _Recorder(TorchDispatchMode):
         if entry is None:
             raise _Unrecordable("a launch found no compiled binary", final=False)
         meta = getattr(entry.kernel, "metadata", None)
-        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
-            raise _Unrecordable("a kernel takes Triton's global scratch")
+        if getattr(meta, "profile_scratch_size", 0):
+            raise _Unrecordable("a kernel takes Triton's profile scratch")
+        # Global scratch (device-side tensor descriptors): Triton's launcher allocates it per
+        # launch through the allocator the family lends it, as the replay does (below).
+        scratch = bool(getattr(meta, "global_scratch_size", 0))
         n = launcher.n_tensors
         refs = [self._ref(t) for t in args[:n]]
         scalars = [self._constant(v) for v in args[n:]]
         g = grid(entry.meta) if callable(grid) else grid
         g = (int(g[0]), int(g[1]) if len(g) > 1 else 1, int(g[2]) if len(g) > 2 else 1)
         binary = None
-        if launcher.binary is not None:
+        if launcher.binary is not None and not scratch:
             # Without guards: the signature already fixes every dtype and alignment.
             binary = launcher._binary_launch(entry.kernel, ())
         self.steps.append(("direct", binary, entry.kernel, g, refs, scalars, entry.tail,
-                           torch._C._cuda_getDevice(), launcher))
+                           torch._C._cuda_getDevice(), launcher, scratch))
 
     def _jit_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
         items = [self._ref(a) if isinstance(a, torch.Tensor) else ("const", self._constant(a))
@@ -389,6 +392,15 @@ def _check_values() -> bool:
     from .kernels import _host  # the catalog's helpers: imported once a recipe needs them
 
     return _host.check_values()
+
+
+def _scratch_allocator(src: _Source, device_index: int) -> str:
+    """An expression for the context that lends Triton's launcher an allocator for global
+    scratch on device ``device_index`` (``kernels._host.scratch_allocator``, as the family
+    launchers lend it)."""
+    from .kernels import _host  # the catalog's helpers: imported once a recipe needs them
+
+    return f"{src.name(_host.scratch_allocator, '_S')}({src.name(torch.device('cuda', device_index))})"
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:
@@ -463,7 +475,7 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
         for k in starts.get(i, ()):
             allocate(k, depth)
         if step[0] == "direct":
-            _, binary, kernel, g, refs, scalars, tail, device_index, launcher = step
+            _, binary, kernel, g, refs, scalars, tail, device_index, launcher, scratch = step
             values = [_pointer(src, rec, ref) for ref in refs]
             values += [src.name(v) for v in (*scalars, *tail)]
             head = f"{g[0]}, {g[1]}, {g[2]}, s{device_index}"
@@ -471,8 +483,13 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
                 src.add(f"{src.name(binary, '_L')}({head}, {', '.join(values)})", depth)
             else:
                 k = src.name(kernel, "_K")
-                src.add(f"{k}.run({head}, {k}.function, {k}.packed_metadata, None, None, None, "
-                        f"{', '.join(values)})", depth)
+                run = (f"{k}.run({head}, {k}.function, {k}.packed_metadata, None, None, None, "
+                       f"{', '.join(values)})")
+                if scratch:
+                    src.add(f"with {_scratch_allocator(src, device_index)}:", depth)
+                    src.add(run, depth + 1)
+                else:
+                    src.add(run, depth)
             # Still a direct launch of that launcher's binary (tests and tools count them).
             src.add(f"{src.name(launcher, '_D')}.launches += 1", depth)
         else:
@@ -740,3 +757,40 @@ class Replays:
         return recipe.source
 
 
+
+
+def stage(plan: Any, fn: Callable, static: tuple | None, *args: Any) -> Any:
+    """``fn(plan, *args, *static)``: a forward or backward stage that a family's autograd ``Function``
+    runs, replayed per signature as handle calls are.
+
+    A call that needs a gradient cannot replay at the handle (autograd must see it), and its
+    backward is called by autograd, not through a handle: there the family's host code ran on
+    every call (about half of a small layer_norm's forward and backward host time on an H100
+    host, docs/performance.md). Inside the ``Function`` no gradient is recorded, so its stages
+    replay like any call: one :class:`Replays` per plan and stage function, the signature
+    being ``args``' (tensors, scalars) and ``static``'s (hashable values that decide the path
+    with them, e.g. attention options without tensors); ``static`` None takes the full path
+    (``fn(plan, *args)``). The plan's variant must opt in (``Variant.replay``), as for
+    handles."""
+    if static is None:
+        return fn(plan, *args)
+    replays = plan.stage_replays(fn)
+    if replays is None or not replays.active:
+        return fn(plan, *args, *static)
+    signature = replays.signature(args, {})
+    if signature is None:
+        return fn(plan, *args, *static)
+    key = (static, signature[0])
+    recipe = replays.recipes.get(key, UNSEEN)
+    if recipe is UNSEEN:
+        def full(args: tuple, kwargs: dict) -> Any:
+            if RECORDING:
+                note_plan(plan, None)  # the Function runs inside the call's launch guard
+            return fn(plan, *args, *static)
+
+        return replays.call(key, full, args, {})
+    if recipe is not None:
+        out = recipe(args, {}, signature[1])
+        if out is not DECLINED:
+            return out
+    return fn(plan, *args, *static)

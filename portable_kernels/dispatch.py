@@ -345,13 +345,11 @@ class KernelHandle:
             return self._traced(*args, **kwargs)
         if plugins._HOST is not self._host:
             self._bind()
-        if self._grad_op is not None and torch.is_grad_enabled() and _wants_grad(args, kwargs):
-            # A family whose launcher returns no grad_fn: its operator carries the gradient
-            # (inside it grad mode is off, so this does not recurse).
-            return self._grad_op(*args, **kwargs)
         replays = self._replays
         if replays is not None and replays.active:
-            # A signature seen before replays its recorded allocations and launches.
+            # A signature seen before replays its recorded allocations and launches. (A call
+            # with a signature needs no gradient: none is taken where a tensor argument
+            # requires one under grad mode, nor for list arguments.)
             signature = replays.signature(args, kwargs)
             if signature is not None:
                 recipe = replays.recipes.get(signature[0], _replay.UNSEEN)
@@ -361,6 +359,11 @@ class KernelHandle:
                     out = recipe(args, kwargs, signature[1])
                     if out is not _replay.DECLINED:
                         return out
+                return self._launch(args, kwargs)
+        if self._grad_op is not None and torch.is_grad_enabled() and _wants_grad(args, kwargs):
+            # A family whose launcher returns no grad_fn: its operator carries the gradient
+            # (inside it grad mode is off, so this does not recurse).
+            return self._grad_op(*args, **kwargs)
         return self._launch(args, kwargs)
 
     def _launch(self, args: tuple, kwargs: dict) -> Any:

@@ -6,6 +6,7 @@ every call that could take another path."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import portable_kernels as pk
 from portable_kernels import _direct, _replay, launch, plugins
+from portable_kernels.kernels import _host
 from conftest import ON_CPU
 from test_direct import _grid, _Jit, cuda_stand_ins  # noqa: F401 (a fixture)
 
@@ -325,6 +327,46 @@ def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypat
     assert "w = _empty_strided" in recipe.source
 
 
+def test_a_kernel_with_global_scratch_replays_through_tritons_launcher(cuda_stand_ins,  # noqa: F811
+                                                                        monkeypatch):
+    """Device-side tensor descriptors take Triton's global scratch, which its launcher
+    allocates per launch through the allocator lent to it (``_host.scratch_allocator``):
+    the replay launches such a binary through Triton's launcher, lending the allocator."""
+    from triton.runtime import _allocation
+
+    monkeypatch.setenv("PK_REPLAY", "direct")
+    fn = _Jit()
+    fn.binary.metadata = types.SimpleNamespace(global_scratch_size=128, profile_scratch_size=0)
+    lent = []
+    fn.binary.run = lambda *args: lent.append((_allocation._allocator.get(), args))
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True, binary=lambda *a: None)
+    plan = types.SimpleNamespace(
+        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
+        device=types.SimpleNamespace(capabilities=frozenset()))
+
+    def full(args, kwargs):
+        (x,) = args
+        _replay.note_plan(plan, None)
+        out = torch.empty_like(x)
+        launch(_grid, (x, out, 8, 0.5), {})
+        return out
+
+    replays = _replay.Replays("test")
+    xs = [torch.randn(8).half() for _ in range(3)]
+    key = replays.signature((xs[0],), {})[0]
+    for x in xs[:2]:
+        replays.call(key, full, (x,), {})
+    recipe = replays.recipes[key]
+    assert recipe is not None, replays.why
+    lent.clear()
+    out = recipe((xs[2],), {}, replays.signature((xs[2],), {})[1])
+    ((allocator, args),) = lent
+    assert isinstance(allocator, functools.partial) and allocator.func is _host._scratch
+    assert allocator.args == (torch.device("cuda", 0),)
+    assert args[:4] == (4, 1, 1, 1000) and args[9:11] == (xs[2].data_ptr(), out.data_ptr())
+    assert not isinstance(_allocation._allocator.get(), functools.partial)  # lent for the launch only
+
+
 def test_workspace_shares_bytes_between_allocations_whose_launches_do_not_interleave():
     """(allocation, bytes, first step, last step) -> offsets: a chunk loop's temporaries
     (each used by its own launches only) share one place; one used across them does not."""
@@ -398,3 +440,55 @@ def test_a_plan_taken_inside_a_recorded_call_must_replay_too(monkeypatch, device
 
     key, _ = _record(replays, nested, torch.zeros(4, device=device))
     assert replays.recipes.get(key) is None and "does not replay" in replays.why[key], replays.why
+
+
+#: Families whose launchers run an autograd ``Function``: (kernel, shape, dtype, indices
+#: of the arguments that take a gradient).
+GRAD_CASES = [
+    ("layer_norm", "6x40", torch.bfloat16, (0, 1, 2)), ("rms_norm", "6x40", torch.float16, (0, 1)),
+    ("add_rms_norm", "6x40", torch.float16, (0, 1, 2)), ("swiglu", "6x40", torch.float16, (0, 1)),
+    ("geglu", "6x40", torch.bfloat16, (0, 1)), ("rope", "2x3x2x16", torch.float16, (0, 1)),
+    ("cross_entropy", "5x70", torch.float16, (0,)), ("flash_attn", None, torch.float16, (0, 1, 2)),
+]
+
+
+def _stage_replays(handle, args, kwargs) -> list:
+    plan = handle.plan(*args, **kwargs)
+    return [r for r in plan._tuned.values() if isinstance(r, _replay.Replays)]
+
+
+@pytest.mark.parametrize("kernel, shape, dtype, leaves", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+def test_autograd_stages_replay_with_the_full_paths_gradients(replaying, monkeypatch, device,
+                                                             kernel, shape, dtype, leaves):
+    """A call that needs a gradient is not replayed at the handle, but its Function's
+    forward and backward stages are (``_replay.stage``): outputs and gradients equal those
+    of the stages run in full, on poisoned allocations."""
+    handle = pk.get_kernel(kernel)
+    full_stage = _replay.stage
+
+    def run(args, kwargs):
+        args = [a.detach().clone().requires_grad_(i in leaves) if isinstance(a, torch.Tensor)
+                else a for i, a in enumerate(args)]
+        out = handle(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+        grads = torch.autograd.grad(outs, [args[i] for i in leaves],
+                                    [torch.ones_like(o) for o in outs])
+        return [o.detach() for o in outs], grads
+
+    calls = 5
+    for i in range(calls):
+        args, kwargs = _inputs(kernel, shape, dtype, device)
+        got = run(args, kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(_replay, "stage", lambda plan, fn, static, *a: fn(plan, *a, *(static or ())))
+            want = run(args, kwargs)
+        assert _replay.stage is full_stage
+        _assert_same(got, want, f"{kernel} call {i + 1}")
+    recipes = [r for s in _stage_replays(handle, args, kwargs) for r in s.recipes.values()]
+    why = [s.why for s in _stage_replays(handle, args, kwargs)]
+    replayed = [r for r in recipes if r is not None]
+    # Forward and backward, each recorded at its second call and replayed from the third;
+    # cross_entropy's backward counts the mean's rows with torch operators: full path.
+    stages = 1 if kernel == "cross_entropy" else 2
+    assert len(replayed) == stages, why
+    assert all(r.calls >= calls - 3 for r in replayed), [r.source for r in replayed]

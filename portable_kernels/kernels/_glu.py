@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _host
 
@@ -161,13 +162,13 @@ class _GLUFunction(torch.autograd.Function):
         g, u, fused = _halves(name, gate, up)
         ctx.save_for_backward(g, u)
         ctx.plan, ctx.gelu, ctx.fused = plan, gelu, fused
-        return forward(plan, g, u, gelu)
+        return _replay.stage(plan, forward, (), g, u, gelu)
 
     @staticmethod
     def backward(ctx, dy):
         g, u = ctx.saved_tensors
         with _host.launching(dy.device):
-            dgate, dup = backward(ctx.plan, dy, g, u, ctx.gelu, ctx.fused)
+            dgate, dup = _replay.stage(ctx.plan, backward, (), dy, g, u, ctx.gelu, ctx.fused)
         return dgate, dup, None, None, None
 
 

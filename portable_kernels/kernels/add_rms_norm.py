@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _host, layer_norm, rms_norm
 
@@ -85,7 +86,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, plan):
         weight = weight.contiguous()
-        out, summed, rstd = _forward(plan, x, residual, weight, eps, offset)
+        out, summed, rstd = _replay.stage(plan, _forward, (), x, residual, weight, eps, offset)
         ctx.save_for_backward(summed, weight, rstd)
         ctx.plan, ctx.offset = plan, offset
         return out, summed.reshape(x.shape)
@@ -94,8 +95,8 @@ class _AddRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_res):
         summed, weight, rstd = ctx.saved_tensors
         with _host.launching(grad_out.device):
-            dx, dw = _backward(ctx.plan, grad_out.reshape(summed.shape),
-                               grad_res.reshape(summed.shape), summed, weight, rstd, ctx.offset)
+            dx, dw = _replay.stage(ctx.plan, _backward, (), grad_out.reshape(summed.shape),
+                                   grad_res.reshape(summed.shape), summed, weight, rstd, ctx.offset)
         dx = dx.reshape(grad_out.shape)
         return dx, dx, dw, None, None, None
 

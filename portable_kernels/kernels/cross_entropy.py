@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _host
 from ._attn_mods import tanh
@@ -356,7 +357,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, plan, *args):
-        loss, lse = _forward(plan, logits, target, *args)
+        loss, lse = _replay.stage(plan, _forward, (), logits, target, *args)
         ctx.save_for_backward(logits, target, lse)
         ctx.plan, ctx.args = plan, args
         return loss
@@ -365,7 +366,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad):
         logits, target, lse = ctx.saved_tensors
         with _host.launching(grad.device):
-            dlogits = _backward(ctx.plan, grad, logits, target, lse, *ctx.args)
+            dlogits = _replay.stage(ctx.plan, _backward, (), grad, logits, target, lse, *ctx.args)
         return (dlogits, None, None) + (None,) * len(ctx.args)
 
 

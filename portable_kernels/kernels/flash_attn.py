@@ -123,6 +123,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _attn_mods, _host
 
@@ -1573,6 +1574,16 @@ def launcher(own: Stages) -> Callable[..., Any]:
 
 # --- autograd -------------------------------------------------------------------------------
 
+def _replay_static(mods: Mods) -> tuple | None:
+    """What a stage's replay is keyed on besides its tensors (``_replay.stage``): options
+    that hold no tensor (no ALiBi slopes, sinks or packed batch) are values; the others take
+    the full path."""
+    options = mods.options
+    if options.alibi is None and options.sinks is None and mods.cu_q is None:
+        return (mods,)
+    return None
+
+
 class _FlashAttnFunction(torch.autograd.Function):
     """Forward saves (q, k, v, out, lse); backward runs the three backward kernels (and
     adds up the sinks' gradient from the LSE and delta). The LSE is an output too, not
@@ -1580,7 +1591,9 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, q, k, v, sinks, causal, scale, mods):
-        out, lse = stages(plan).forward(plan, q, k, v, causal, scale, mods)
+        static = _replay_static(mods)
+        out, lse = _replay.stage(plan, stages(plan).forward, static, q, k, v, causal, scale,
+                                 *(() if static else (mods,)))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.causal, ctx.scale, ctx.mods = plan, causal, scale, mods
         ctx.mark_non_differentiable(lse)
@@ -1593,8 +1606,10 @@ class _FlashAttnFunction(torch.autograd.Function):
         mods = ctx.mods
         sinks = mods.options.sinks
         with _host.launching(dout.device):
-            dq, dk, dv, delta = stages(ctx.plan).backward(
-                ctx.plan, dout, q, k, v, out, lse, ctx.causal, ctx.scale, mods, return_delta=True)
+            static = _replay_static(mods)
+            dq, dk, dv, delta = _replay.stage(
+                ctx.plan, stages(ctx.plan).backward, static and (*static, True), dout, q, k, v,
+                out, lse, ctx.causal, ctx.scale, *(() if static else (mods, True)))
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             dsinks = sinks_grad(sinks, lse, delta, mods.varlen)

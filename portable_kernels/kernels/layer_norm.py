@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _host
 
@@ -557,7 +558,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, plan):
         weight = weight.contiguous()
-        y, rows, mean, rstd = _forward(plan, x, weight, bias.contiguous(), eps)
+        y, rows, mean, rstd = _replay.stage(plan, _forward, (), x, weight, bias.contiguous(), eps)
         ctx.save_for_backward(rows, weight, mean, rstd)
         ctx.plan = plan
         return y
@@ -567,7 +568,7 @@ class _LayerNormFunction(torch.autograd.Function):
         rows, weight, mean, rstd = ctx.saved_tensors
         dy = grad_out.reshape(rows.shape)
         with _host.launching(dy.device):
-            dx, dw, db = _backward(ctx.plan, dy, rows, weight, mean, rstd)
+            dx, dw, db = _replay.stage(ctx.plan, _backward, (), dy, rows, weight, mean, rstd)
         return dx.reshape(grad_out.shape), dw, db, None, None
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _host, layer_norm
 
@@ -100,7 +101,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, plan):
         weight = weight.contiguous()
-        y, rows, rstd = _forward(plan, x, weight, eps, offset)
+        y, rows, rstd = _replay.stage(plan, _forward, (), x, weight, eps, offset)
         ctx.save_for_backward(rows, weight, rstd)
         ctx.plan, ctx.offset = plan, offset
         return y
@@ -109,7 +110,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         rows, weight, rstd = ctx.saved_tensors
         with _host.launching(grad_out.device):
-            dx, dw = _backward(ctx.plan, grad_out.reshape(rows.shape), rows, weight, rstd, ctx.offset)
+            dx, dw = _replay.stage(ctx.plan, _backward, (), grad_out.reshape(rows.shape), rows,
+                                   weight, rstd, ctx.offset)
         return dx.reshape(grad_out.shape), dw, None, None, None
 
 

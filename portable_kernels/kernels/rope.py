@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _replay
 from ..registry import KernelSpec, Variant
 from . import _host
 
@@ -265,14 +266,14 @@ class _RoPEFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, positions, interleaved, plan):
         ctx.save_for_backward(cos, sin, positions)
         ctx.plan, ctx.interleaved = plan, interleaved
-        return _apply(plan, q, k, cos, sin, positions, interleaved)
+        return _replay.stage(plan, _apply, (), q, k, cos, sin, positions, interleaved)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin, positions = ctx.saved_tensors
         with _host.launching(grad_q.device):
-            dq, dk = _apply(ctx.plan, grad_q, grad_k, cos, sin, positions, ctx.interleaved,
-                            inverse=True)
+            dq, dk = _replay.stage(ctx.plan, _apply, (True,), grad_q, grad_k, cos, sin,
+                                   positions, ctx.interleaved)
         return dq, dk, None, None, None, None, None
 
 
