@@ -248,12 +248,16 @@ def test_opcheck_stage_ops(gen, device):
                                None if b is None else b.detach(), *options))
 
 
+@pytest.mark.parametrize("path", ["ops", "torch.ops"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_and_gradients_match_torch(name, gen, device):
+def test_forward_and_gradients_match_torch(name, path, gen, device):
+    """Through ``ops.<name>`` (eager: the kernel's handle) and through the operator
+    itself (the dispatcher, its registered autograd)."""
     inputs, reference, kind = CASES[name]
     args = inputs(gen, device, True)
     ref_args = [_double(a) for a in args]
-    out = _flat(getattr(ops, name)(*args))
+    fn = getattr(ops if path == "ops" else torch.ops.portable_kernels, name)
+    out = _flat(fn(*args))
     ref = _flat(reference(*ref_args))
     tol = tolerance(F32, kind)
     for o, r in zip(out, ref):
@@ -269,6 +273,25 @@ def test_forward_and_gradients_match_torch(name, gen, device):
     for i, (leaf, ref_leaf) in enumerate(zip(_leaves(args), _leaves(ref_args))):
         assert leaf.grad is not None, f"{name}: no gradient for input {i}"
         assert_close(leaf.grad, ref_leaf.grad, grad_tol, f"{name} gradient of input {i}")
+
+
+def test_eager_calls_take_the_handle_and_traced_ones_the_operator(gen, device):
+    """``ops.<name>`` runs the kernel's handle in eager code (its autograd Function, its
+    replays) and the operator under a dispatch mode (fake tensors here; tracing and
+    opcheck alike), where a handle could not run."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    x = _randn(gen, device, 4, 32, requires_grad=True)
+    w = _randn(gen, device, 32, requires_grad=True)
+    assert type(ops.rms_norm(x, w).grad_fn).__name__ == "_RMSNormFunctionBackward"
+    assert "rms_norm_forward" in type(torch.ops.portable_kernels.rms_norm(x, w).grad_fn).__name__
+    with FakeTensorMode():
+        out = ops.rms_norm(torch.empty(4, 32, device=device), torch.empty(32, device=device))
+    assert isinstance(out, FakeTensor) and out.shape == (4, 32)
+    from portable_kernels import dispatch
+
+    # Handles trace as the operators themselves, never as these eager-first functions.
+    assert all(dispatch.TRACED_OPS[name] is getattr(ops, name).op for name in ops.OPS)
 
 
 def test_dropout_backward_reuses_the_mask(gen, device):
