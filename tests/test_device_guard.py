@@ -98,12 +98,13 @@ def test_handle_calls_launch_inside_the_guard(recorded, device, gen):
 
 def test_staged_ops_launch_inside_the_guard(recorded, device, gen):
     """Ops that run a family's stages themselves (forward and backward as separate custom
-    ops) guard each stage."""
+    ops, as the operators run: ``ops.<name>`` in eager code takes the handle) guard each
+    stage."""
     q, k, v = (torch.randn(1, 1, 16, 16, generator=gen).to(device).requires_grad_() for _ in range(3))
-    ops.flash_attn(q, k, v).sum().backward()
+    torch.ops.portable_kernels.flash_attn(q, k, v).sum().backward()
     x = torch.randn(4, 32, generator=gen).to(device).requires_grad_()
     w, b = torch.ones(32, device=device), torch.zeros(32, device=device)
-    ops.layer_norm(x, w, b).sum().backward()
+    torch.ops.portable_kernels.layer_norm(x, w, b).sum().backward()
     assert recorded == [q.device] * 2 + [x.device] * 2
     assert q.grad is not None and x.grad is not None
 

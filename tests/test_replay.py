@@ -487,8 +487,6 @@ def test_autograd_stages_replay_with_the_full_paths_gradients(replaying, monkeyp
     recipes = [r for s in _stage_replays(handle, args, kwargs) for r in s.recipes.values()]
     why = [s.why for s in _stage_replays(handle, args, kwargs)]
     replayed = [r for r in recipes if r is not None]
-    # Forward and backward, each recorded at its second call and replayed from the third;
-    # cross_entropy's backward counts the mean's rows with torch operators: full path.
-    stages = 1 if kernel == "cross_entropy" else 2
-    assert len(replayed) == stages, why
+    # Forward and backward, each recorded at its second call and replayed from the third.
+    assert len(replayed) == 2, why
     assert all(r.calls >= calls - 3 for r in replayed), [r.source for r in replayed]

@@ -158,22 +158,33 @@ def _cross_entropy_kernel(
 
 @triton.jit
 def _reduce_kernel(loss_ptr, target_ptr, out_ptr, n_rows, stride_target, ignore_index,
-                   MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                   MEAN: tl.constexpr, BLOCK: tl.constexpr, UPSTREAM: tl.constexpr = 0):
     """The "sum" or "mean" (over counted rows) of the (T,) fp32 row losses, in one program:
     one launch where torch's sum, compare, count and divide took four (a small call's host
     time is its launches), and one summation order, so every call gives the same bits.
-    A mean over no counted row is 0 / 0 = NaN, as torch's."""
+    A mean over no counted row is 0 / 0 = NaN, as torch's.
+
+    ``UPSTREAM`` 1 or 2: the gradient pass's row scale for a reduced loss instead, 1 (1)
+    or the 0-d upstream gradient at ``loss_ptr`` (2), over the counted rows for "mean":
+    one launch where torch's compare, count and divide (operators a replay cannot record)
+    took three."""
     offs = tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     count = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, n_rows, BLOCK):
         rows = start + offs
         mask = rows < n_rows
-        total += tl.load(loss_ptr + rows, mask=mask, other=0.0)
+        if UPSTREAM == 0:
+            total += tl.load(loss_ptr + rows, mask=mask, other=0.0)
         if MEAN:
             t = tl.load(target_ptr + rows.to(tl.int64) * stride_target, mask=mask, other=ignore_index)
             count += (t != ignore_index).to(tl.int32)
-    result = tl.sum(total, 0)
+    if UPSTREAM == 0:
+        result = tl.sum(total, 0)
+    elif UPSTREAM == 1:
+        result = tl.full((), 1.0, tl.float32)
+    else:
+        result = tl.load(loss_ptr).to(tl.float32)
     if MEAN:
         result = result / tl.sum(count, 0).to(tl.float32)
     tl.store(out_ptr, result)
@@ -299,13 +310,20 @@ def reduce(plan, rows: torch.Tensor, target: torch.Tensor, ignore_index: int,
     return out
 
 
-def upstream_scale(grad: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """The per-row factor of pass 2 for the upstream gradient ``grad`` of a reduced loss:
-    fp32, 0-d for "mean" and "sum", (T,) for "none". No host sync."""
-    grad = grad.to(torch.float32)
-    if reduction == "mean":
-        return grad / (target != ignore_index).sum()
-    return grad
+def upstream_scale(plan, grad: torch.Tensor | None, target: torch.Tensor, ignore_index: int,
+                   reduction: str) -> torch.Tensor:
+    """The per-row factor of pass 2 for the upstream gradient ``grad`` of a reduced loss
+    (None: 1, "mean" and "sum" only): fp32, 0-d for "mean" and "sum" (one launch), (T,)
+    for "none". No host sync."""
+    if reduction == "none":
+        return grad.to(torch.float32)
+    out = torch.empty((), dtype=torch.float32, device=target.device)
+    _host.launcher(plan, _reduce_kernel)[(1,)](
+        out if grad is None else grad, target, out, target.shape[0],
+        target.stride(0) if target.dim() else 1, ignore_index,
+        MEAN=reduction == "mean", BLOCK=REDUCE_BLOCK, UPSTREAM=1 if grad is None else 2,
+        num_warps=4)
+    return out
 
 
 def _forward(plan, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
@@ -327,7 +345,7 @@ def _backward(plan, grad, logits, target, lse, ignore_index, label_smoothing, z_
     gradient ``grad`` of the reduced loss."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     run(plan, logits, target, lse=lse, grad=dlogits,
-        scale=upstream_scale(grad, target, ignore_index, reduction), ignore_index=ignore_index,
+        scale=upstream_scale(plan, grad, target, ignore_index, reduction), ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     return dlogits
 

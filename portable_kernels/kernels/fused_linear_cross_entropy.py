@@ -177,8 +177,7 @@ def forward(plan, hidden, weight, target, bias, options, needs=(True, True, True
     """(loss, dhidden, dweight, dbias) for "mean" and "sum": the reduced fp32 loss and its
     gradients for an upstream gradient of 1 (None where ``needs`` says no)."""
     ignore_index, *_, reduction = options
-    scale = cross_entropy.upstream_scale(torch.ones((), device=hidden.device), target,
-                                         ignore_index, reduction)
+    scale = cross_entropy.upstream_scale(plan, None, target, ignore_index, reduction)
     rows, *grads = _chunks(plan, hidden, weight, target, bias, options, scale=scale, needs=needs)
     return (cross_entropy.reduce(plan, rows, target, ignore_index, reduction), *grads)
 
@@ -194,7 +193,7 @@ def backward(plan, grad, hidden, weight, target, bias, options, needs=(True, Tru
     """(dhidden, dweight, dbias) for the upstream gradient ``grad`` of the reduced loss,
     by running the chunks again (what "none" needs)."""
     ignore_index, *_, reduction = options
-    scale = cross_entropy.upstream_scale(grad, target, ignore_index, reduction)
+    scale = cross_entropy.upstream_scale(plan, grad, target, ignore_index, reduction)
     return _chunks(plan, hidden, weight, target, bias, options, scale=scale, needs=needs)[1:]
 
 
