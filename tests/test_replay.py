@@ -280,6 +280,29 @@ def test_a_launch_hook_takes_the_full_path(replaying, device):
     assert torch.equal(out, x + x) and len(seen) == 1 and recipe.calls == 1
 
 
+def _recorded_on_stand_ins(body) -> tuple:
+    """``(recipe, xs)``: the recipe of ``body(x)`` run as a handle's full path on a stand-in
+    plan of a variant with direct launches, recorded at the second of three signature-equal
+    fp16 inputs ``xs`` (the third is left for the caller's replay)."""
+    plan = types.SimpleNamespace(
+        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
+        device=types.SimpleNamespace(capabilities=frozenset()))
+
+    def full(args, kwargs):
+        _replay.note_plan(plan, None)
+        return body(*args)
+
+    replays = _replay.Replays("test")
+    xs = [torch.randn(8).half() for _ in range(3)]
+    keys = [replays.signature((x,), {})[0] for x in xs]
+    assert keys[0] == keys[1] == keys[2]
+    for x in xs[:2]:
+        replays.call(keys[0], full, (x,), {})
+    recipe = replays.recipes[keys[0]]
+    assert recipe is not None, replays.why
+    return recipe, xs
+
+
 def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypatch):  # noqa: F811
     """What a GPU replay runs, on stand-ins of a direct launch and its backend launcher:
     each launch gets the new call's addresses and the recorded scalars and constexprs; the
@@ -294,29 +317,17 @@ def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypat
 
     first, second = (_direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True, binary=make)
                      for _ in range(2))
-    plan = types.SimpleNamespace(
-        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
-        device=types.SimpleNamespace(capabilities=frozenset()))
 
-    def full(args, kwargs):
-        (x,) = args
-        _replay.note_plan(plan, None)
+    def full(x):
         out = torch.empty_like(x)
         partial, counts = torch.empty(8, dtype=torch.float32), torch.empty(3, dtype=torch.int32)
         first(_grid, (x, out, 8, 0.5), {})
         second(_grid, (partial, counts, 3, 2.0), {})
         return out.view(2, 4)
 
-    replays = _replay.Replays("test")
-    xs = [torch.randn(8).half() for _ in range(3)]
-    keys = [replays.signature((x,), {})[0] for x in xs]
-    assert keys[0] == keys[1] == keys[2]
-    for x in xs[:2]:
-        replays.call(keys[0], full, (x,), {})
-    recipe = replays.recipes[keys[0]]
-    assert recipe is not None, replays.why
+    recipe, xs = _recorded_on_stand_ins(full)
     launched.clear()
-    out = recipe((xs[2],), {}, replays.signature((xs[2],), {})[1])
+    out = recipe((xs[2],), {}, [xs[2].data_ptr()])
     (gx, gy, gz, stream, x_ptr, out_ptr, *rest), (_, _, _, _, partial, counts, *rest2) = launched
     assert (gx, gy, gz, stream) == (4, 1, 1, 1000) and rest == [8, 0.5, 64, True]
     assert x_ptr == xs[2].data_ptr() and out_ptr == out.data_ptr()
@@ -340,26 +351,15 @@ def test_a_kernel_with_global_scratch_replays_through_tritons_launcher(cuda_stan
     lent = []
     fn.binary.run = lambda *args: lent.append((_allocation._allocator.get(), args))
     launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True, binary=lambda *a: None)
-    plan = types.SimpleNamespace(
-        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
-        device=types.SimpleNamespace(capabilities=frozenset()))
 
-    def full(args, kwargs):
-        (x,) = args
-        _replay.note_plan(plan, None)
+    def full(x):
         out = torch.empty_like(x)
         launch(_grid, (x, out, 8, 0.5), {})
         return out
 
-    replays = _replay.Replays("test")
-    xs = [torch.randn(8).half() for _ in range(3)]
-    key = replays.signature((xs[0],), {})[0]
-    for x in xs[:2]:
-        replays.call(key, full, (x,), {})
-    recipe = replays.recipes[key]
-    assert recipe is not None, replays.why
+    recipe, xs = _recorded_on_stand_ins(full)
     lent.clear()
-    out = recipe((xs[2],), {}, replays.signature((xs[2],), {})[1])
+    out = recipe((xs[2],), {}, [xs[2].data_ptr()])
     ((allocator, args),) = lent
     assert isinstance(allocator, functools.partial) and allocator.func is _host._scratch
     assert allocator.args == (torch.device("cuda", 0),)
