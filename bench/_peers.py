@@ -137,8 +137,9 @@ def layer(family: str) -> dict[str, Impl]:
     if gems is not None:
         aten = {"vector_add": lambda x, y: x + y,
                 "softmax": lambda x: torch.softmax(x, -1),
-                "layer_norm": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5),
-                "asin": torch.asin}
+                "layer_norm": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5)}
+        # Not asin: FlagGems 5.0.2 registers none (asinh_ only), so torch.asin under
+        # use_gems() runs torch's own kernel, not one of FlagGems'.
         # Not rms_norm: FlagGems 5.0.2's rms_norm under use_gems() raised an illegal memory
         # access in this benchmark (16384x4096 and 32768x8192 bf16, H100, triton 3.6), which
         # leaves the CUDA context unusable for every row after it.
