@@ -340,12 +340,15 @@ def launch(plan, list_a: Sequence[torch.Tensor], list_b: Sequence[torch.Tensor])
         configs=operand_configs(plan.configs, size),
         prune_configs_by={"early_config_prune": _prune},
         name="" if size == 2 else f"{size}-byte operands"))
+    b_t = layout == "col"
     with _host.scratch(device, plan.switches.get("TMA", False)):
-        kernel[grid](
+        # Once tuned, a direct launch: the autotuner's own call rebuilt its key and went
+        # through Triton's JIT dispatch on every call.
+        plan.run_tuned(
+            kernel, (len(tiles_of), *keys, b_t, bool(layout), dtype), grid,
             table, len(tiles_of), *keys,
             DTYPE=_TL_DTYPES[dtype], OUT_DTYPE=_TL_DTYPES[result], VEC=16 // size,
-            ALIGNED=bool(layout),
-            B_T=layout == "col", **plan.switches,
+            ALIGNED=bool(layout), B_T=b_t, **plan.switches,
         )
     return outs
 
