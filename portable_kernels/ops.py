@@ -1227,6 +1227,7 @@ dispatch.GRAD_OPS.update({name: globals()[name]
 
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_jit_tracing = torch._C._get_tracing_state
 
 
 def _eager_first(name: str, op):
@@ -1238,10 +1239,12 @@ def _eager_first(name: str, op):
     44 µs on the CPU machine for an op whose body only allocates, against 8 µs for the
     allocations themselves. What the operator is for stays with it: tracing
     (``torch.compile``, ``torch.export``), a dispatch mode (fake tensors, ``make_fx``,
-    ``opcheck``, FLOP counters) and functorch transforms (``vmap``) all see ``op``. The
-    handle takes the operator's arguments (same names and order) and gives its results."""
+    ``opcheck``, FLOP counters), functorch transforms (``vmap``) and ``torch.jit.trace`` all
+    see ``op``. The handle takes the operator's arguments (same names and order) and gives
+    its results."""
     def call(*args, **kwargs):
-        if _compiling() or _dispatch_modes() or _functorch_level() is not None:
+        if (_compiling() or _dispatch_modes() or _functorch_level() is not None
+                or _jit_tracing() is not None):
             return op(*args, **kwargs)
         return _handle(name)(*args, **kwargs)
 

@@ -278,7 +278,7 @@ def test_forward_and_gradients_match_torch(name, path, gen, device):
 def test_eager_calls_take_the_handle_and_traced_ones_the_operator(gen, device):
     """``ops.<name>`` runs the kernel's handle in eager code (its autograd Function, its
     replays) and the operator under a dispatch mode (fake tensors here; tracing and
-    opcheck alike), where a handle could not run."""
+    opcheck alike) or torch.jit.trace, where a handle could not run or be seen."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     x = _randn(gen, device, 4, 32, requires_grad=True)
@@ -288,6 +288,8 @@ def test_eager_calls_take_the_handle_and_traced_ones_the_operator(gen, device):
     with FakeTensorMode():
         out = ops.rms_norm(torch.empty(4, 32, device=device), torch.empty(32, device=device))
     assert isinstance(out, FakeTensor) and out.shape == (4, 32)
+    traced = torch.jit.trace(lambda a, b: ops.rms_norm(a, b), (x.detach(), w.detach()))
+    assert "portable_kernels::rms_norm" in str(traced.graph)  # not the handle's launches
     from portable_kernels import dispatch
 
     # Handles trace as the operators themselves, never as these eager-first functions.
