@@ -113,14 +113,21 @@ class DirectLaunch:
     nothing here. Values compare across types (``1 == 1.0 == True``, which Triton types
     apart), so a call site must pass each scalar with one type, as the family launchers do
     (``float(eps)``, sizes and strides as ints). ``launches`` counts the direct ones (for
-    tests). ``binary``: the backend's ``pk_binary_launcher`` answer, or None."""
+    tests). ``binary``: the backend's ``pk_binary_launcher`` answer, or None.
 
-    __slots__ = ("fn", "config", "direct", "binary", "n_tensors", "entries", "guarded", "launches")
+    ``runtime``: positions of integer arguments that change from call to call (a random
+    seed) and that ``fn`` does not specialize on (``do_not_specialize``): the key holds only
+    whether each fits int32, as Triton's own key does, so every value reuses one binary."""
 
-    def __init__(self, fn: Any, config: dict, direct: bool, binary: Any = None) -> None:
+    __slots__ = ("fn", "config", "direct", "binary", "n_tensors", "entries", "guarded", "launches",
+                 "runtime")
+
+    def __init__(self, fn: Any, config: dict, direct: bool, binary: Any = None,
+                 runtime: tuple[int, ...] = ()) -> None:
         self.fn = fn
         self.config = config
         self.direct = direct
+        self.runtime = runtime
         self.binary = binary if direct else None
         self.n_tensors = -1  # leading tensor arguments, known at the first call
         self.entries: dict[tuple, _Entry] = {}
@@ -143,7 +150,7 @@ class DirectLaunch:
         if self.guarded:
             device = torch._C._cuda_getDevice()
             try:
-                entry = self.guarded.get((device, args[self.n_tensors:], tuple(kwargs.items())))
+                entry = self.guarded.get((device, self._scalars(args), tuple(kwargs.items())))
             except TypeError:  # an unhashable scalar
                 entry = None
             if entry is not None and not _hooked():
@@ -183,9 +190,17 @@ class DirectLaunch:
                            else (t.base.dtype, tuple(t.block_shape), getattr(t, "layout", None),
                                  getattr(t, "padding", None))
                            for t in args[:n]]),
-                    args[n:], tuple(kwargs.items()))
+                    self._scalars(args), tuple(kwargs.items()))
         except (AttributeError, TypeError):  # not the first call's layout, or unhashable
             return None
+
+    def _scalars(self, args: tuple) -> tuple:
+        """The scalar arguments as keys hold them: runtime ones by their integer width."""
+        scalars = args[self.n_tensors:]
+        if not self.runtime:
+            return scalars
+        return tuple((type(v), -2**31 <= v < 2**31) if i in self.runtime else v
+                     for i, v in enumerate(scalars, self.n_tensors))
 
     def _entry(self, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> _Entry | None:
         """What a later call with the same key needs to launch ``kernel`` itself, or None

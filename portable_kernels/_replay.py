@@ -319,6 +319,8 @@ class _Recorder(TorchDispatchMode):
         raise _Unrecordable(f"a launch took a {type(value).__name__} scalar")
 
     def _direct_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+        if launcher.runtime:
+            raise _Unrecordable("a launch takes a scalar new on every call (a seed)")
         key = launcher._key(args, kwargs)
         entry = None if key is None else launcher.entries.get(key)
         if entry is None:

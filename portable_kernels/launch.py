@@ -245,14 +245,16 @@ class LaunchPlan:
             self._chosen[(tuned, problem_key)] = _direct.DirectLaunch(
                 tuned.fn, config.all_kwargs(), self._direct_launches(), self.binary_launcher)
 
-    def direct(self, fn: Any) -> _direct.DirectLaunch:
+    def direct(self, fn: Any, runtime: tuple[int, ...] = ()) -> _direct.DirectLaunch:
         """``fn`` (a ``@triton.jit`` kernel) for launchers that pass its config themselves:
         ``plan.direct(fn)[grid](*args, **kwargs)`` launches as ``fn[grid](...)`` does, and
-        on NVIDIA GPUs reuses each binary Triton compiled for a call (see ``_direct``)."""
+        on NVIDIA GPUs reuses each binary Triton compiled for a call (see ``_direct``).
+        ``runtime``: positions of integer arguments new on every call, which ``fn`` must
+        not specialize on (``DirectLaunch``)."""
         launcher = self._tuned.get(("direct", fn))
         if launcher is None:
             launcher = self._tuned[("direct", fn)] = _direct.DirectLaunch(
-                fn, {}, self._direct_launches(), self.binary_launcher)
+                fn, {}, self._direct_launches(), self.binary_launcher, runtime)
         return launcher
 
     def _direct_launches(self) -> bool:

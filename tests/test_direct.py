@@ -79,6 +79,19 @@ def test_seen_calls_launch_the_binary(cuda_stand_ins):
     assert fn.binary.runs == [(4, 1, 1, 1000, "function", "packed", None, None, None, x, y, 8, 0.5, 64, True)]
 
 
+def test_runtime_scalars_reuse_one_binary_per_integer_width(cuda_stand_ins):
+    """A runtime argument (a seed, new on every call) is not keyed by value: every value
+    launches the one binary, with its own value; one past int32 needs Triton's i64 binary."""
+    fn = _Jit()
+    launch = _direct.DirectLaunch(fn, {"BLOCK": 64}, direct=True, runtime=(2,))
+    x, y = _tensors()
+    for n in (8, 9, 10, 2**40, 2**40 + 1):
+        launch(_grid, (x, y, n, 0.5), {})
+    assert [call[1][2] for call in fn.calls] == [8, 2**40]  # compiled once per width
+    assert [run[11] for run in fn.binary.runs] == [9, 10, 2**40 + 1]  # each call's own value
+    assert launch.launches == 3
+
+
 @pytest.mark.parametrize("answer", ["a launcher", "None", "raises"])
 def test_a_backends_binary_launcher_launches_seen_calls(cuda_stand_ins, answer, caplog):
     """The backend's ``pk_binary_launcher`` answer makes, once per binary, the launcher a

@@ -280,10 +280,11 @@ def test_a_launch_hook_takes_the_full_path(replaying, device):
     assert torch.equal(out, x + x) and len(seen) == 1 and recipe.calls == 1
 
 
-def _recorded_on_stand_ins(body) -> tuple:
+def _recorded_on_stand_ins(body, replayed: bool = True) -> tuple:
     """``(recipe, xs)``: the recipe of ``body(x)`` run as a handle's full path on a stand-in
     plan of a variant with direct launches, recorded at the second of three signature-equal
-    fp16 inputs ``xs`` (the third is left for the caller's replay)."""
+    fp16 inputs ``xs`` (the third is left for the caller's replay); with ``replayed``
+    False, ``(why it was not recorded, xs)``."""
     plan = types.SimpleNamespace(
         _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
         device=types.SimpleNamespace(capabilities=frozenset()))
@@ -299,8 +300,26 @@ def _recorded_on_stand_ins(body) -> tuple:
     for x in xs[:2]:
         replays.call(keys[0], full, (x,), {})
     recipe = replays.recipes[keys[0]]
+    if not replayed:
+        assert recipe is None
+        return replays.why[keys[0]], xs
     assert recipe is not None, replays.why
     return recipe, xs
+
+
+def test_a_launch_with_a_runtime_scalar_is_not_recorded(cuda_stand_ins, monkeypatch):  # noqa: F811
+    """A recipe holds a launch's scalars as recorded: a seed new on every call would be
+    replayed stale."""
+    monkeypatch.setenv("PK_REPLAY", "direct")
+    launch = _direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True, runtime=(3,))
+
+    def full(x):
+        out = torch.empty_like(x)
+        launch(_grid, (x, out, 8, 1234), {})
+        return out
+
+    why, _ = _recorded_on_stand_ins(full, replayed=False)
+    assert "new on every call" in why
 
 
 def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypatch):  # noqa: F811

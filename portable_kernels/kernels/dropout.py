@@ -35,7 +35,9 @@ _SEED_LIMIT = 2**63
 
 # --- kernel ---------------------------------------------------------------------------------
 
-@triton.jit
+# Not specialized on the seed (new on every call): one binary serves every seed, so a
+# seen call launches directly (plan.direct's runtime arguments).
+@triton.jit(do_not_specialize=["seed"])
 def _dropout_kernel(
     x_ptr, out_ptr,          # pointers to contiguous tensors
     n_elements,              # size
@@ -97,8 +99,8 @@ def _apply(plan, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     # inf * 0 in the kernel's unselected lanes.
     scale = 1.0 if p == 1.0 else 1.0 / (1.0 - p)
     grid, meta = _host.elementwise_launch(plan, n)
-    # Not plan.direct: the seed is new on every call, and direct launches key on scalars.
-    _dropout_kernel[grid](x, out, n, p, scale, int(seed), **meta)
+    # The seed (argument 5) is new on every call: a runtime argument, not in the key.
+    plan.direct(_dropout_kernel, runtime=(5,))[grid](x, out, n, p, scale, int(seed), **meta)
     return out
 
 
