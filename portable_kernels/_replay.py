@@ -402,7 +402,8 @@ def _scratch_allocator(src: _Source, device_index: int) -> str:
     launchers lend it)."""
     from .kernels import _host  # the catalog's helpers: imported once a recipe needs them
 
-    return f"{src.name(_host.scratch_allocator, '_S')}({src.name(torch.device('cuda', device_index))})"
+    device = src.name(torch.device("cuda", device_index))
+    return f"{src.name(_host.scratch_allocator, '_S')}({device})"
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:
@@ -759,16 +760,14 @@ class Replays:
         return recipe.source
 
 
-
-
 def stage(plan: Any, fn: Callable, static: tuple | None, *args: Any) -> Any:
-    """``fn(plan, *args, *static)``: a forward or backward stage that a family's autograd ``Function``
-    runs, replayed per signature as handle calls are.
+    """``fn(plan, *args, *static)``: a forward or backward stage that a family's autograd
+    ``Function`` runs, replayed per signature as handle calls are.
 
     A call that needs a gradient cannot replay at the handle (autograd must see it), and its
     backward is called by autograd, not through a handle: there the family's host code ran on
-    every call (about half of a small layer_norm's forward and backward host time on an H100
-    host, docs/performance.md). Inside the ``Function`` no gradient is recorded, so its stages
+    every call (replaying it took a third off a small layer_norm's forward and backward on an
+    H100 host, docs/performance.md). Inside the ``Function`` no gradient is recorded, so its stages
     replay like any call: one :class:`Replays` per plan and stage function, the signature
     being ``args``' (tensors, scalars) and ``static``'s (hashable values that decide the path
     with them, e.g. attention options without tensors); ``static`` None takes the full path

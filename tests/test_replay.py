@@ -383,7 +383,8 @@ def test_a_kernel_with_global_scratch_replays_through_tritons_launcher(cuda_stan
     assert isinstance(allocator, functools.partial) and allocator.func is _host._scratch
     assert allocator.args == (torch.device("cuda", 0),)
     assert args[:4] == (4, 1, 1, 1000) and args[9:11] == (xs[2].data_ptr(), out.data_ptr())
-    assert not isinstance(_allocation._allocator.get(), functools.partial)  # lent for the launch only
+    # Lent for the launch only.
+    assert not isinstance(_allocation._allocator.get(), functools.partial)
 
 
 def test_workspace_shares_bytes_between_allocations_whose_launches_do_not_interleave():

@@ -344,8 +344,8 @@ def _backward(plan, grad, logits, target, lse, ignore_index, label_smoothing, z_
     """The (T, V) gradient of the logits (their dtype, contiguous) for the upstream
     gradient ``grad`` of the reduced loss."""
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    run(plan, logits, target, lse=lse, grad=dlogits,
-        scale=upstream_scale(plan, grad, target, ignore_index, reduction), ignore_index=ignore_index,
+    scale = upstream_scale(plan, grad, target, ignore_index, reduction)
+    run(plan, logits, target, lse=lse, grad=dlogits, scale=scale, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     return dlogits
 
