@@ -43,6 +43,9 @@ body calls the kernel's :class:`~portable_kernels.dispatch.KernelHandle` (or, fo
 families whose backward needs forward intermediates, the family's own forward and backward
 stages with the handle's :class:`~portable_kernels.launch.LaunchPlan`), so the variant for
 the tensors' device runs, ``use_variant`` applies, and a compiled graph stays portable.
+The module's public functions (``ops.<name>``) call the kernel's handle directly in eager
+code, where nothing traces or intercepts the call (:func:`_eager_first`): an operator's
+dispatcher crossings cost more host time than a small kernel takes.
 
 ``layer_norm``, ``rms_norm`` and ``flash_attn`` need what their forward computed besides the
 output (the per-row statistics; the log-sum-exp). A custom op's backward sees only its
