@@ -469,6 +469,7 @@ GRAD_CASES = [
     ("add_rms_norm", "6x40", torch.float16, (0, 1, 2)), ("swiglu", "6x40", torch.float16, (0, 1)),
     ("geglu", "6x40", torch.bfloat16, (0, 1)), ("rope", "2x3x2x16", torch.float16, (0, 1)),
     ("cross_entropy", "5x70", torch.float16, (0,)), ("flash_attn", None, torch.float16, (0, 1, 2)),
+    ("flash_attn_varlen", "7+3x2x16", torch.float16, (0, 1, 2)),
 ]
 
 

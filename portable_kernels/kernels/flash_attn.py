@@ -1574,14 +1574,31 @@ def launcher(own: Stages) -> Callable[..., Any]:
 
 # --- autograd -------------------------------------------------------------------------------
 
-def _replay_static(mods: Mods) -> tuple | None:
-    """What a stage's replay is keyed on besides its tensors (``_replay.stage``): options
-    that hold no tensor (no ALiBi slopes, sinks or packed batch) are values; the others take
-    the full path."""
+def _run_stage(plan, which: str, mods: Mods, *args, extra: tuple = ()):
+    """``stages(plan).<which>(plan, *args, mods, *extra)``, replayed per signature
+    (``_replay.stage``) where the options hold no tensor (no ALiBi slopes, no sinks): the
+    ``Mods`` values key the replay beside the tensors, and a packed batch's ``cu_seqlens``
+    go as tensor arguments (:func:`_packed_forward`, :func:`_packed_backward`)."""
     options = mods.options
-    if options.alibi is None and options.sinks is None and mods.cu_q is None:
-        return (mods,)
-    return None
+    if options.alibi is not None or options.sinks is not None:
+        return getattr(stages(plan), which)(plan, *args, mods, *extra)
+    if mods.cu_q is None:
+        return _replay.stage(plan, getattr(stages(plan), which), (mods, *extra), *args)
+    return _replay.stage(plan, _PACKED[which], (mods._replace(cu_q=None, cu_k=None), *extra),
+                         *args, mods.cu_q, mods.cu_k)
+
+
+def _packed_forward(plan, q, k, v, causal, scale, cu_q, cu_k, mods):
+    return stages(plan).forward(plan, q, k, v, causal, scale,
+                                mods._replace(cu_q=cu_q, cu_k=cu_k))
+
+
+def _packed_backward(plan, do, q, k, v, out, lse, causal, scale, cu_q, cu_k, mods, return_delta):
+    return stages(plan).backward(plan, do, q, k, v, out, lse, causal, scale,
+                                 mods._replace(cu_q=cu_q, cu_k=cu_k), return_delta)
+
+
+_PACKED = {"forward": _packed_forward, "backward": _packed_backward}
 
 
 class _FlashAttnFunction(torch.autograd.Function):
@@ -1591,9 +1608,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, q, k, v, sinks, causal, scale, mods):
-        static = _replay_static(mods)
-        out, lse = _replay.stage(plan, stages(plan).forward, static, q, k, v, causal, scale,
-                                 *(() if static else (mods,)))
+        out, lse = _run_stage(plan, "forward", mods, q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.causal, ctx.scale, ctx.mods = plan, causal, scale, mods
         ctx.mark_non_differentiable(lse)
@@ -1606,10 +1621,8 @@ class _FlashAttnFunction(torch.autograd.Function):
         mods = ctx.mods
         sinks = mods.options.sinks
         with _host.launching(dout.device):
-            static = _replay_static(mods)
-            dq, dk, dv, delta = _replay.stage(
-                ctx.plan, stages(ctx.plan).backward, static and (*static, True), dout, q, k, v,
-                out, lse, ctx.causal, ctx.scale, *(() if static else (mods, True)))
+            dq, dk, dv, delta = _run_stage(ctx.plan, "backward", mods, dout, q, k, v, out, lse,
+                                           ctx.causal, ctx.scale, extra=(True,))
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             dsinks = sinks_grad(sinks, lse, delta, mods.varlen)
