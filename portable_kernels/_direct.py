@@ -150,7 +150,8 @@ class DirectLaunch:
         if self.guarded:
             device = torch._C._cuda_getDevice()
             try:
-                entry = self.guarded.get((device, self._scalars(args), tuple(kwargs.items())))
+                scalars = self._scalars(args) if self.runtime else args[self.n_tensors:]
+                entry = self.guarded.get((device, scalars, tuple(kwargs.items())))
             except TypeError:  # an unhashable scalar
                 entry = None
             if entry is not None and not _hooked():
@@ -190,7 +191,7 @@ class DirectLaunch:
                            else (t.base.dtype, tuple(t.block_shape), getattr(t, "layout", None),
                                  getattr(t, "padding", None))
                            for t in args[:n]]),
-                    self._scalars(args), tuple(kwargs.items()))
+                    self._scalars(args) if self.runtime else args[n:], tuple(kwargs.items()))
         except (AttributeError, TypeError):  # not the first call's layout, or unhashable
             return None
 

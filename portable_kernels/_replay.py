@@ -760,7 +760,7 @@ class Replays:
         return recipe.source
 
 
-def stage(plan: Any, fn: Callable, static: tuple | None, *args: Any) -> Any:
+def stage(plan: Any, fn: Callable, static: tuple, *args: Any) -> Any:
     """``fn(plan, *args, *static)``: a forward or backward stage that a family's autograd
     ``Function`` runs, replayed per signature as handle calls are.
 
@@ -770,11 +770,8 @@ def stage(plan: Any, fn: Callable, static: tuple | None, *args: Any) -> Any:
     H100 host, docs/performance.md). Inside the ``Function`` no gradient is recorded, so its stages
     replay like any call: one :class:`Replays` per plan and stage function, the signature
     being ``args``' (tensors, scalars) and ``static``'s (hashable values that decide the path
-    with them, e.g. attention options without tensors); ``static`` None takes the full path
-    (``fn(plan, *args)``). The plan's variant must opt in (``Variant.replay``), as for
-    handles."""
-    if static is None:
-        return fn(plan, *args)
+    with them, e.g. attention options without tensors). The plan's variant must opt in
+    (``Variant.replay``), as for handles."""
     replays = plan.stage_replays(fn)
     if replays is None or not replays.active:
         return fn(plan, *args, *static)

@@ -501,7 +501,7 @@ def test_autograd_stages_replay_with_the_full_paths_gradients(replaying, monkeyp
         args, kwargs = _inputs(kernel, shape, dtype, device)
         got = run(args, kwargs)
         with monkeypatch.context() as m:
-            m.setattr(_replay, "stage", lambda plan, fn, static, *a: fn(plan, *a, *(static or ())))
+            m.setattr(_replay, "stage", lambda plan, fn, static, *a: fn(plan, *a, *static))
             want = run(args, kwargs)
         assert _replay.stage is full_stage
         _assert_same(got, want, f"{kernel} call {i + 1}")
