@@ -77,7 +77,7 @@ def _assert_same(got, want, where: str) -> None:
 def test_replays_give_the_full_paths_result(replaying, device, kernel, shape, dtype):
     handle = pk.get_kernel(kernel)
     calls = 5
-    with _replaying_matmul(kernel):
+    with _replaying_matmul(kernel, device):
         _call_both_ways(handle, kernel, shape, dtype, device, calls)
     replays = plugins.host().replays[kernel]
     assert len(replays.recipes) == 1, replays.why
@@ -88,12 +88,15 @@ def test_replays_give_the_full_paths_result(replaying, device, kernel, shape, dt
     assert recipe.calls >= calls - 3, recipe.source
 
 
-def _replaying_matmul(kernel: str):
-    """matmul's sm_90 variants (host-built TMA descriptors) do not replay, and the fused
-    loss runs its products on matmul's plans: those two families are held to the full path
-    with matmul's portable variant, which replays everywhere."""
+def _replaying_matmul(kernel: str, device):
+    """matmul's Gluon variant (host-built TMA descriptors) does not replay, and the fused
+    loss runs its products on matmul's plans: those two families are held to a variant
+    that replays, sm_90's persistent TMA kernel where it is listed (device-side
+    descriptors in lent scratch), else the portable one."""
     if kernel in ("matmul", "fused_linear_cross_entropy"):
-        return pk.use_variant(matmul="generic")
+        names = pk.list_variants("matmul", device)
+        return pk.use_variant(matmul="nvidia.persistent_tma"
+                              if "nvidia.persistent_tma" in names else "generic")
     return contextlib.nullcontext()
 
 
@@ -410,7 +413,7 @@ def test_a_replayed_chunk_loop_holds_one_chunk_at_a_time(replaying, device):
     handle = pk.get_kernel("fused_linear_cross_entropy")
     rows = 3 * flce.MIN_CHUNK_ROWS
     (hidden, weight, target), _ = flce.inputs(f"{rows}x16x40", torch.float16, device)
-    with torch.no_grad(), _replaying_matmul("fused_linear_cross_entropy"):
+    with torch.no_grad(), _replaying_matmul("fused_linear_cross_entropy", device):
         want = handle(hidden, weight, target)
         for _ in range(3):
             assert torch.equal(handle(hidden, weight, target), want)

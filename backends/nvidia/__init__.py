@@ -167,7 +167,7 @@ def pk_register_variants(registry):
         requires={"tensor_descriptor", "warp_specialize"}, priority=_tma_priority,
         accepts=matmul.tma_accepts,
         switches={"TMA": True, "PERSISTENT": True, "WARP_SPECIALIZE": True, "UPCAST": False},
-        configs=tuning.matmul_persistent_tma,
+        configs=tuning.matmul_persistent_tma, replay=True,
         description="persistent grid of min(SMs, tiles) in grouped order; TMA loads and "
         "stores through device-side tensor descriptors; warp-specialized K loop; epilogue "
         "subtiling; split-K where the output has too few tiles; sm_90 and sm_100 (on "
