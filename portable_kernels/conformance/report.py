@@ -215,7 +215,7 @@ class Cell:
         w = self.worst
         if not w or w.get("max_error") is None:
             return "-"
-        return f"{w['max_error']:.2e} ({w['error_ratio']:.3g}x)"
+        return f"{w['max_error']:.2e} ({w['error_ratio']:.2g}x)"
 
     @property
     def tolerance(self) -> str:
@@ -288,7 +288,7 @@ def _device_line(report: dict) -> str:
     line = f"{d['name']} ({d['vendor']} {d['arch']}{emu}) on {', '.join(report['torch_devices']) or '?'}"
     # The backend's record for the architecture before this run (a report from such a
     # device is itself the first run there).
-    return line + (f"; before this run: {d['evidence']}" if d.get("evidence") else "")
+    return line + (f"; kernels on {d['arch']} before this run: {d['evidence']}" if d.get("evidence") else "")
 
 
 def _summary_line(summary: dict) -> str:
@@ -297,18 +297,36 @@ def _summary_line(summary: dict) -> str:
 
 def text_matrix(report: dict, width: int | None = None) -> str:
     """The kernel x variant matrix as a plain-text table, with a header and a summary, at
-    most ``width`` columns (default: ``_table.width()``), the reasons cut to fit."""
-    from .._table import fill, table
+    most ``width`` columns (default: ``_table.width()``).
 
+    Where the whole rows are wider than that, the tolerance and time columns go (the error
+    column keeps its ratio to the tolerance; the JSON and Markdown reports hold both) and
+    each reason becomes a numbered note under the table, wrapped to the width: the results
+    a vendor publishes are never cut."""
+    from .._table import fill, table
+    from .._table import width as default_width
+
+    limit = width or default_width()
     rows = [_row_cells(r) for r in matrix_rows(report)]
+    notes: list[str] = []
+    body = table(MATRIX_HEADERS, rows, max_width=1_000_000) if rows else "(no cases)"
+    if rows and max(len(line) for line in body.splitlines()) > limit:
+        short = []
+        for *cells, _tolerance, _seconds, reason in rows:
+            if reason and reason not in notes:
+                notes.append(reason)
+            short.append((*cells, f"[{notes.index(reason) + 1}]" if reason else ""))
+        body = table((*MATRIX_HEADERS[:4], "note"), short, max_width=limit)
     lines = [
         fill(f"Conformance on {_device_line(report)}", max_width=width),
         fill(f"fingerprint {report['fingerprint']}", max_width=width),
         "",
-        table(MATRIX_HEADERS, rows, max_width=width) if rows else "(no cases)",
-        "",
-        fill(f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s", max_width=width),
+        body,
     ]
+    if notes:
+        lines += ["", "max error: the largest error and its ratio to the allowed error"]
+        lines += [fill(f"[{i + 1}] {text}", max_width=limit) for i, text in enumerate(notes)]
+    lines += ["", fill(f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s", max_width=width)]
     return "\n".join(lines)
 
 
