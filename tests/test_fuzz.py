@@ -14,7 +14,10 @@ Each example runs every variant of the family that the device can run
 (``pk.list_variants(name, DEVICE)``) and whose predicate accepts the problem (the verdicts
 of ``pk.explain``): a variant that rejects the problem is passed over for that example,
 but ``generic`` must accept every valid problem wherever the device can run it, and at
-least one variant must run. Each variant is forced with ``pk.use_variant`` under
+least one variant must run. On the CPU interpreter, where the variants are the same
+source run again with other switches and an example of attention costs seconds a variant,
+an example runs ``generic`` and one other variant, the others in turn over the examples
+(``PK_FUZZ_ALL_VARIANTS=1``: all of them). Each variant is forced with ``pk.use_variant`` under
 ``poisoned_allocations`` (memory torch allocates uninitialized is NaN, so an output element
 a kernel never writes fails the comparison). Outputs and, for differentiable families,
 gradients are compared with float64 torch references within the tolerance table of
@@ -46,6 +49,7 @@ On a GPU, autograd runs backward passes on its own threads, which do not see
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -89,6 +93,9 @@ hypothesis.configuration.set_hypothesis_home_dir(
 
 SCALE = float(os.environ.get("PK_FUZZ_EXAMPLES", "1"))
 RANDOM = os.environ.get("PK_FUZZ_RANDOM", "") not in ("", "0")
+ALL_VARIANTS = DEVICE.type != "cpu" or os.environ.get("PK_FUZZ_ALL_VARIANTS", "") not in ("", "0")
+#: Examples seen per family: which non-generic variant an interpreter example runs.
+_TURNS: collections.Counter = collections.Counter()
 
 #: Examples per dtype (x SCALE). Costs on the interpreter: each example runs every accepted
 #: variant, forward and backward; flash_attn and the GEMMs pay per program and K step.
@@ -296,7 +303,13 @@ def runnable_variants(name: str, *args, **kwargs) -> list[str]:
     if "generic" in on_device:
         assert "generic" in runnable, f"{name}: generic rejects a valid problem ({why})"
     assert runnable, f"{name}: no variant of {on_device} accepts a valid problem ({why})"
-    return runnable
+    if ALL_VARIANTS or len(runnable) <= 2:
+        return runnable
+    first = "generic" if "generic" in runnable else runnable[0]
+    others = [v for v in runnable if v != first]
+    turn = others[_TURNS[name] % len(others)]
+    _TURNS[name] += 1
+    return [first, turn]
 
 
 def accepts(name: str, variant: str, *args, **kwargs) -> bool:
