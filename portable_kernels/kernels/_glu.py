@@ -156,7 +156,7 @@ def backward(plan, dy, gate, up, gelu: bool, fused: bool):
     return (dgu, None) if fused else (dgate, dup)
 
 
-class _GLUFunction(torch.autograd.Function):
+class _GLUFunction(_host.Function):
     @staticmethod
     def forward(ctx, gate, up, plan, gelu, name):
         g, u, fused = _halves(name, gate, up)
@@ -175,7 +175,7 @@ class _GLUFunction(torch.autograd.Function):
 def launch_of(name: str, gelu: bool):
     def launch(plan, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
-            return _GLUFunction.apply(gate, up, plan, gelu, name)
+            return _GLUFunction.call(gate, up, plan, gelu, name)
         g, u, _ = _halves(name, gate, up)
         return forward(plan, g, u, gelu)
     launch.__doc__ = (

@@ -75,12 +75,12 @@ def launch(plan, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _check(x, residual, weight, eps, offset)
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
                                     or weight.requires_grad):
-        return _AddRMSNormFunction.apply(x, residual, weight, eps, offset, plan)
+        return _AddRMSNormFunction.call(x, residual, weight, eps, offset, plan)
     out, summed, _ = _forward(plan, x, residual, weight.contiguous(), eps, offset, stats=False)
     return out, summed.reshape(x.shape)
 
 
-class _AddRMSNormFunction(torch.autograd.Function):
+class _AddRMSNormFunction(_host.Function):
     """Saves the new residual (as rows), weight and the per-row 1/rms."""
 
     @staticmethod

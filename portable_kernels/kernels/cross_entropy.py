@@ -366,11 +366,11 @@ def launch(plan, logits: torch.Tensor, target: torch.Tensor, ignore_index: int =
     args = (ignore_index, float(label_smoothing), float(z_loss),
             None if softcap is None else float(softcap), reduction)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropyFunction.apply(logits, target, plan, *args)
+        return _CrossEntropyFunction.call(logits, target, plan, *args)
     return _forward(plan, logits, target, *args, keep_lse=False)[0]
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
+class _CrossEntropyFunction(_host.Function):
     """Saves the logits, the targets and the per-row lse; the backward is pass 2."""
 
     @staticmethod

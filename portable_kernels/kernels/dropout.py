@@ -117,13 +117,13 @@ def launch(plan, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
         # Nothing is dropped; clone keeps autograd (the gradient is the identity).
         return x.clone(memory_format=torch.contiguous_format)
     if x.requires_grad and torch.is_grad_enabled():
-        return _DropoutFunction.apply(x, p, seed, plan)
+        return _DropoutFunction.call(x, p, seed, plan)
     return _apply(plan, x, p, seed)
 
 
 # --- autograd -------------------------------------------------------------------------------
 
-class _DropoutFunction(torch.autograd.Function):
+class _DropoutFunction(_host.Function):
     """Saves only ``(p, seed)``: d(out)/dx is the same mask and scale as the forward."""
 
     @staticmethod

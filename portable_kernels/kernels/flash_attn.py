@@ -1536,7 +1536,7 @@ def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool 
     sinks = mods.options.sinks
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
-        out, lse = _FlashAttnFunction.apply(plan, q, k, v, sinks, causal, scale, mods)
+        out, lse = _FlashAttnFunction.call(plan, q, k, v, sinks, causal, scale, mods)
     else:
         out, lse = stages(plan).forward(plan, q, k, v, causal, scale, mods)
     return (out, lse) if return_lse else out
@@ -1601,7 +1601,7 @@ def _packed_backward(plan, do, q, k, v, out, lse, causal, scale, cu_q, cu_k, mod
 _PACKED = {"forward": _packed_forward, "backward": _packed_backward}
 
 
-class _FlashAttnFunction(torch.autograd.Function):
+class _FlashAttnFunction(_host.Function):
     """Forward saves (q, k, v, out, lse); backward runs the three backward kernels (and
     adds up the sinks' gradient from the LSE and delta). The LSE is an output too, not
     differentiable."""

@@ -230,11 +230,11 @@ def launch(plan, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     options = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     needs = _needs(hidden, weight, bias)
     if torch.is_grad_enabled() and any(needs):
-        return _FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, plan, options, needs)
+        return _FusedLinearCrossEntropyFunction.call(hidden, weight, target, bias, plan, options, needs)
     return loss_only(plan, hidden, weight, target, bias, options)
 
 
-class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
+class _FusedLinearCrossEntropyFunction(_host.Function):
     """"mean"/"sum": saves the gradients the forward computed; "none": saves the inputs
     and computes the gradients in the backward."""
 

@@ -546,13 +546,13 @@ def launch(plan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """
     _check(x, weight, bias, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return _LayerNormFunction.apply(x, weight, bias, eps, plan)
+        return _LayerNormFunction.call(x, weight, bias, eps, plan)
     return _forward(plan, x, weight.contiguous(), bias.contiguous(), eps, stats=False)[0]
 
 
 # --- autograd -------------------------------------------------------------------------------
 
-class _LayerNormFunction(torch.autograd.Function):
+class _LayerNormFunction(_host.Function):
     """Saves x (as rows), weight and the per-row mean and 1/std."""
 
     @staticmethod

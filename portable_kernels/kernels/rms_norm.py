@@ -91,11 +91,11 @@ def launch(plan, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     """
     _check(x, weight, eps, offset)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNormFunction.apply(x, weight, eps, offset, plan)
+        return _RMSNormFunction.call(x, weight, eps, offset, plan)
     return _forward(plan, x, weight.contiguous(), eps, offset, stats=False)[0]
 
 
-class _RMSNormFunction(torch.autograd.Function):
+class _RMSNormFunction(_host.Function):
     """Saves x (as rows), weight and the per-row 1/rms."""
 
     @staticmethod

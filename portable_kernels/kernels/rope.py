@@ -253,13 +253,13 @@ def launch(plan, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """
     _check(q, k, cos, sin, positions, interleaved)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RoPEFunction.apply(q, k, cos, sin, positions, interleaved, plan)
+        return _RoPEFunction.call(q, k, cos, sin, positions, interleaved, plan)
     return _apply(plan, q, k, cos, sin, positions, interleaved)
 
 
 # --- autograd -------------------------------------------------------------------------------
 
-class _RoPEFunction(torch.autograd.Function):
+class _RoPEFunction(_host.Function):
     """Saves only the tables and positions: the backward rotates the gradients back."""
 
     @staticmethod
