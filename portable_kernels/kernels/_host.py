@@ -380,6 +380,12 @@ class Function(torch.autograd.Function):
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
+def as_shape(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``t.reshape(shape)``, or ``t`` itself where it has that shape already (a backward's
+    common case: a reshape costs microseconds of host time even then)."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
 def launching(device: torch.device) -> Any:
     """What launches on ``device`` outside a handle's call must run inside (an autograd
     backward, which torch calls later and maybe from another thread): the handle's own

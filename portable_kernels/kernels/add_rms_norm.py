@@ -77,7 +77,7 @@ def launch(plan, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                     or weight.requires_grad):
         return _AddRMSNormFunction.call(x, residual, weight, eps, offset, plan)
     out, summed, _ = _forward(plan, x, residual, weight.contiguous(), eps, offset, stats=False)
-    return out, summed.reshape(x.shape)
+    return out, _host.as_shape(summed, x.shape)
 
 
 class _AddRMSNormFunction(_host.Function):
@@ -89,15 +89,15 @@ class _AddRMSNormFunction(_host.Function):
         out, summed, rstd = _replay.stage(plan, _forward, (), x, residual, weight, eps, offset)
         ctx.save_for_backward(summed, weight, rstd)
         ctx.plan, ctx.offset = plan, offset
-        return out, summed.reshape(x.shape)
+        return out, _host.as_shape(summed, x.shape)
 
     @staticmethod
     def backward(ctx, grad_out, grad_res):
         summed, weight, rstd = ctx.saved_tensors
         with _host.launching(grad_out.device):
-            dx, dw = _replay.stage(ctx.plan, _backward, (), grad_out.reshape(summed.shape),
-                                   grad_res.reshape(summed.shape), summed, weight, rstd, ctx.offset)
-        dx = dx.reshape(grad_out.shape)
+            dx, dw = _replay.stage(ctx.plan, _backward, (), _host.as_shape(grad_out, summed.shape),
+                                   _host.as_shape(grad_res, summed.shape), summed, weight, rstd, ctx.offset)
+        dx = _host.as_shape(dx, grad_out.shape)
         return dx, dx, dw, None, None, None
 
 

@@ -566,10 +566,10 @@ class _LayerNormFunction(_host.Function):
     @staticmethod
     def backward(ctx, grad_out):
         rows, weight, mean, rstd = ctx.saved_tensors
-        dy = grad_out.reshape(rows.shape)
+        dy = _host.as_shape(grad_out, rows.shape)
         with _host.launching(dy.device):
             dx, dw, db = _replay.stage(ctx.plan, _backward, (), dy, rows, weight, mean, rstd)
-        return dx.reshape(grad_out.shape), dw, db, None, None
+        return _host.as_shape(dx, grad_out.shape), dw, db, None, None
 
 
 # --- reference ------------------------------------------------------------------------------

@@ -110,9 +110,9 @@ class _RMSNormFunction(_host.Function):
     def backward(ctx, grad_out):
         rows, weight, rstd = ctx.saved_tensors
         with _host.launching(grad_out.device):
-            dx, dw = _replay.stage(ctx.plan, _backward, (), grad_out.reshape(rows.shape), rows,
+            dx, dw = _replay.stage(ctx.plan, _backward, (), _host.as_shape(grad_out, rows.shape), rows,
                                    weight, rstd, ctx.offset)
-        return dx.reshape(grad_out.shape), dw, None, None, None
+        return _host.as_shape(dx, grad_out.shape), dw, None, None, None
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
