@@ -354,7 +354,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-# --- shared by the 1-D elementwise families (vector_add, asin, dropout) ---------------------
+# --- autograd functions -------------------------------------------------------------------
 
 class Function(torch.autograd.Function):
     """The families' autograd functions: ``call`` is ``apply`` without the Python layer of
@@ -393,6 +393,8 @@ def launching(device: torch.device) -> Any:
     guard = launch_guard(device)
     return contextlib.nullcontext() if guard is None else guard
 
+
+# --- shared by the 1-D elementwise families (vector_add, asin, dropout) ---------------------
 
 def elementwise_launch(plan: Any, n: int) -> tuple[tuple[int], dict]:
     """The grid and launch keywords of a 1-D elementwise kernel over ``n`` elements: one
