@@ -50,3 +50,25 @@ def test_check_values_follows_the_environment(monkeypatch, value, on):
     else:
         monkeypatch.setenv("PK_CHECK_VALUES", value)
     assert _host.check_values() is on
+
+
+class _Double(_host.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_function_call_is_apply_outside_functorch_transforms():
+    """``call`` builds the same graph as ``apply``; inside a transform it is ``apply``,
+    whose check for ``setup_context`` (which the families do not define) then speaks."""
+    x = torch.randn(3, requires_grad=True)
+    y = _Double.call(x)
+    assert type(y.grad_fn) is type(_Double.apply(x).grad_fn)
+    assert torch.equal(y, x * 2)
+    assert torch.equal(torch.autograd.grad(y.sum(), x)[0], torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: _Double.call(t).sum())(x.detach())
