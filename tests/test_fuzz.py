@@ -16,8 +16,8 @@ of ``pk.explain``): a variant that rejects the problem is passed over for that e
 but ``generic`` must accept every valid problem wherever the device can run it, and at
 least one variant must run. On the CPU interpreter, where the variants are the same
 source run again with other switches and an example of attention costs seconds a variant,
-an example runs ``generic`` and one other variant, the others in turn over the examples
-(``PK_FUZZ_ALL_VARIANTS=1``: all of them). Each variant is forced with ``pk.use_variant`` under
+an example runs ``generic`` and one other variant, which the example's own shapes and
+options pick (``PK_FUZZ_ALL_VARIANTS=1``: all of them). Each variant is forced with ``pk.use_variant`` under
 ``poisoned_allocations`` (memory torch allocates uninitialized is NaN, so an output element
 a kernel never writes fails the comparison). Outputs and, for differentiable families,
 gradients are compared with float64 torch references within the tolerance table of
@@ -49,11 +49,11 @@ On a GPU, autograd runs backward passes on its own threads, which do not see
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import os
 import tempfile
+import zlib
 from pathlib import Path
 
 import hypothesis
@@ -94,8 +94,6 @@ hypothesis.configuration.set_hypothesis_home_dir(
 SCALE = float(os.environ.get("PK_FUZZ_EXAMPLES", "1"))
 RANDOM = os.environ.get("PK_FUZZ_RANDOM", "") not in ("", "0")
 ALL_VARIANTS = DEVICE.type != "cpu" or os.environ.get("PK_FUZZ_ALL_VARIANTS", "") not in ("", "0")
-#: Examples seen per family: which non-generic variant an interpreter example runs.
-_TURNS: collections.Counter = collections.Counter()
 
 #: Examples per dtype (x SCALE). Costs on the interpreter: each example runs every accepted
 #: variant, forward and backward; flash_attn and the GEMMs pay per program and K step.
@@ -305,11 +303,13 @@ def runnable_variants(name: str, *args, **kwargs) -> list[str]:
     assert runnable, f"{name}: no variant of {on_device} accepts a valid problem ({why})"
     if ALL_VARIANTS or len(runnable) <= 2:
         return runnable
+    # The other variant from the example itself (shapes, strides, dtypes, options): the
+    # same on every run, whichever worker and order the examples get.
+    drawn = repr([(a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                  for a in (*args, *kwargs.values())])
     first = "generic" if "generic" in runnable else runnable[0]
     others = [v for v in runnable if v != first]
-    turn = others[_TURNS[name] % len(others)]
-    _TURNS[name] += 1
-    return [first, turn]
+    return [first, others[zlib.crc32(drawn.encode()) % len(others)]]
 
 
 def accepts(name: str, variant: str, *args, **kwargs) -> bool:

@@ -308,24 +308,25 @@ def text_matrix(report: dict, width: int | None = None) -> str:
 
     limit = width or default_width()
     rows = [_row_cells(r) for r in matrix_rows(report)]
-    notes: list[str] = []
     body = table(MATRIX_HEADERS, rows, max_width=1_000_000) if rows else "(no cases)"
+    legend: list[str] = []
     if rows and max(len(line) for line in body.splitlines()) > limit:
+        notes: list[str] = []
         short = []
         for *cells, _tolerance, _seconds, reason in rows:
             if reason and reason not in notes:
                 notes.append(reason)
             short.append((*cells, f"[{notes.index(reason) + 1}]" if reason else ""))
         body = table((*MATRIX_HEADERS[:4], "note"), short, max_width=limit)
+        legend = ["", "max error: the largest error, in parentheses its ratio to the allowed one"]
+        legend += [fill(f"[{i + 1}] {text}", max_width=limit) for i, text in enumerate(notes)]
     lines = [
         fill(f"Conformance on {_device_line(report)}", max_width=width),
         fill(f"fingerprint {report['fingerprint']}", max_width=width),
         "",
         body,
+        *legend,
     ]
-    if notes:
-        lines += ["", "max error: the largest error and its ratio to the allowed error"]
-        lines += [fill(f"[{i + 1}] {text}", max_width=limit) for i, text in enumerate(notes)]
     lines += ["", fill(f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s", max_width=width)]
     return "\n".join(lines)
 
