@@ -9,10 +9,13 @@ call is host time: ``--iters`` calls, then one synchronize, median of five
 - ``torch.autograd.grad`` through a trivial Python ``autograd.Function`` (its backward
   allocates and launches nothing): what any Python node costs the autograd engine;
 - the same grad through torch SDPA's cuDNN backend, and through our ``--variant``;
-- ours with the family's ``_backward`` replaced by a no-op: our node's own overhead;
-- ``_backward`` called directly, on this thread, then on a helper thread (one hand-off per
-  call), next to a no-op's hand-off. The autograd engine runs CUDA nodes on a device thread
-  of its own; the pair tells whether our launcher's Python costs more there;
+- ours with the backward stage (``_run_stage``, which the node calls) replaced by a
+  no-op: our node's own overhead;
+- the backward stage called directly as the node calls it (replayed once seen,
+  ``_replay.stage``), on this thread, then on a helper thread (one hand-off per call), next
+  to a no-op's hand-off, and ``_backward``'s full path (no replay). The autograd engine
+  runs CUDA nodes on a device thread of its own; the pair tells whether our Python costs
+  more there;
 - ``_backward``'s four allocations, and each of its three launches alone.
 
     python bench/host_backward.py [--quick] [--shape 1x2x256x64] [--dtype bf16] [--full]
@@ -110,19 +113,24 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
     stages = fa.stages(plan)
     out, lse = stages.forward(plan, qd, kd, vd, causal, scale)
 
+    mods = fa.dense_mods(qd, causal)
+
     def backward():
         return stages.backward(plan, dout, qd, kd, vd, out, lse, causal, scale)
+
+    def backward_stage():  # as the autograd node calls it
+        return fa._run_stage(plan, "backward", mods, dout, qd, kd, vd, out, lse, causal, scale,
+                             extra=(True,))
 
     grads = backward()
 
     def ours_noop():
-        real = fa._backward
-        fa._backward = lambda plan, do, q, k, v, out, lse, causal, scale, mods=None, \
-            return_delta=False: (*grads, delta) if return_delta else grads
+        real = fa._run_stage
+        fa._run_stage = lambda plan, which, mods, *args, extra=(): (*grads, delta)
         try:
             torch.autograd.grad(ours, leaves, dout, retain_graph=True)
         finally:
-            fa._backward = real
+            fa._run_stage = real
 
     helper = Helper()
     setup = fa._backward_setup(plan, fa._block_d(d), q.element_size())
@@ -135,10 +143,11 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
         "trivial Python Function, grad": grad(trivial),
         **vendor,
         f"{variant}, grad": grad(ours),
-        f"{variant}, grad, _backward a no-op": ours_noop,
-        "_backward on this thread": backward,
-        "_backward on a helper thread": lambda: helper(backward),
+        f"{variant}, grad, backward stage a no-op": ours_noop,
+        "backward stage on this thread": backward_stage,
+        "backward stage on a helper thread": lambda: helper(backward_stage),
         "a no-op on a helper thread": lambda: helper(lambda: None),
+        "_backward's full path on this thread": backward,
         "4 allocations": lambda: (torch.empty(shape, device=device, dtype=dtype),
                                   torch.empty(shape, device=device, dtype=dtype),
                                   torch.empty(shape, device=device, dtype=dtype),

@@ -496,16 +496,16 @@ def test_host_backward_rounds_rotate_the_order():
 
 def test_host_backward_cases_run(device):
     """Every case runs once (on the CPU: the interpreter, no cuDNN case), and the no-op case
-    puts the family's backward back."""
+    puts the backward stage back."""
     bench = _load("host_backward")
     table = bench.cases((1, 2, 64, 16), torch.float16, True, "generic", device=device.type)
     assert ("cuDNN SDPA, grad" in table) == (device.type == "cuda")
     from portable_kernels.kernels import flash_attn as fa
-    backward = fa._backward
+    stage = fa._run_stage
     for name, fn in table.items():
         fn()
-    assert fa._backward is backward
-    assert len(table) == 10 + (device.type == "cuda")
+    assert fa._run_stage is stage
+    assert len(table) == 11 + (device.type == "cuda")
 
 
 def test_memory_trace_groups_what_is_live_at_the_peak():
