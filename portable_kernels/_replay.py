@@ -2,7 +2,8 @@
 family's host code.
 
 Every call of a family whose arguments have one *signature* (each tensor's dtype, shape,
-strides, device and address modulo 16; every other argument's type and value; the
+strides, device and address modulo 16; every other argument's type and value, but the
+integer width alone of a per-call argument such as a seed (``KernelSpec.runtime``); the
 selection context) takes the same path through the family's launcher: the same checks
 pass, tensors of the same sizes are allocated, the same binaries launch on the same grids
 with the same scalars, and only addresses differ. That host code (checks, problem tuple,
@@ -27,7 +28,8 @@ profile scratch or a host tensor descriptor, two arguments that are one tensor, 
 gradient in play: the call is not recorded and its signature keeps the full path. The
 replay is generated straight-line Python (``Recipe.source``): allocate, read the current
 stream, call each binary's launcher with the new addresses (plus the recorded byte offset of
-a view) and the recorded scalars, build the result. Memory is held no longer than the full
+a view) and the recorded scalars (a per-call argument's value read from each call, where a
+launch takes it at a runtime position), build the result. Memory is held no longer than the full
 path holds it: an allocation is made before its first launch and dropped after its last, and
 temporaries carved from one workspace share bytes where their launches do not interleave
 (a chunk loop's chunks).
@@ -48,7 +50,7 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -193,12 +195,20 @@ class Recipe:
 _Ref = tuple
 
 
+class _PerCall(NamedTuple):
+    """A launch's scalar that is the call's own per-call integer (``KernelSpec.runtime``):
+    the recipe passes each call's value, read by ``expr`` from its ``args`` or ``kwargs``."""
+    expr: str
+
+
 class _Recorder(TorchDispatchMode):
     """Watches one call: its torch operators (``__torch_dispatch__``) and launches
-    (:meth:`launch`)."""
+    (:meth:`launch`). ``per_call``: the call's per-call integers, by value, and the
+    expression a recipe reads each with (None where two share a value)."""
 
-    def __init__(self, tensors: list, replay_mode: str) -> None:
+    def __init__(self, tensors: list, replay_mode: str, per_call: dict | None = None) -> None:
         super().__init__()
+        self.per_call = per_call or {}
         self.mode = replay_mode
         self.refs: dict[int, _Ref] = {}
         self.roots = {"in": list(tensors), "alloc": [], "const": []}
@@ -318,9 +328,18 @@ class _Recorder(TorchDispatchMode):
             return value
         raise _Unrecordable(f"a launch took a {type(value).__name__} scalar")
 
+    def _scalar(self, launcher: Any, i: int, value: Any) -> Any:
+        """Launch argument ``i``'s recorded form: a constant, or at the launcher's runtime
+        positions the call's per-call integer of that value."""
+        if i not in launcher.runtime:
+            return self._constant(value)
+        expr = self.per_call.get(value) if type(value) is int else None
+        if expr is None:
+            raise _Unrecordable("a launch takes a scalar new on every call (a seed) that is "
+                                "not one of the call's per-call arguments")
+        return _PerCall(expr)
+
     def _direct_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
-        if launcher.runtime:
-            raise _Unrecordable("a launch takes a scalar new on every call (a seed)")
         key = launcher._key(args, kwargs)
         entry = None if key is None else launcher.entries.get(key)
         if entry is None:
@@ -333,7 +352,7 @@ class _Recorder(TorchDispatchMode):
         scratch = bool(getattr(meta, "global_scratch_size", 0))
         n = launcher.n_tensors
         refs = [self._ref(t) for t in args[:n]]
-        scalars = [self._constant(v) for v in args[n:]]
+        scalars = [self._scalar(launcher, n + i, v) for i, v in enumerate(args[n:])]
         g = grid(entry.meta) if callable(grid) else grid
         g = (int(g[0]), int(g[1]) if len(g) > 1 else 1, int(g[2]) if len(g) > 2 else 1)
         binary = None
@@ -344,8 +363,8 @@ class _Recorder(TorchDispatchMode):
                            torch._C._cuda_getDevice(), launcher, scratch))
 
     def _jit_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
-        items = [self._ref(a) if isinstance(a, torch.Tensor) else ("const", self._constant(a))
-                 for a in args]
+        items = [self._ref(a) if isinstance(a, torch.Tensor) else ("const", self._scalar(launcher, i, a))
+                 for i, a in enumerate(args)]
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             raise _Unrecordable("a launch took a tensor keyword")
         self.steps.append(("jit", launcher.fn, grid, items, {**kwargs, **launcher.config}))
@@ -480,7 +499,7 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
         if step[0] == "direct":
             _, binary, kernel, g, refs, scalars, tail, device_index, launcher, scratch = step
             values = [_pointer(src, rec, ref) for ref in refs]
-            values += [src.name(v) for v in (*scalars, *tail)]
+            values += [_scalar(src, v) for v in (*scalars, *tail)]
             head = f"{g[0]}, {g[1]}, {g[2]}, s{device_index}"
             if binary is not None:
                 src.add(f"{src.name(binary, '_L')}({head}, {', '.join(values)})", depth)
@@ -497,7 +516,7 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
             src.add(f"{src.name(launcher, '_D')}.launches += 1", depth)
         else:
             _, fn, grid, items, keywords = step
-            values = [src.name(item[1]) if item[0] == "const" else _tensor(src, rec, item)
+            values = [_scalar(src, item[1]) if item[0] == "const" else _tensor(src, rec, item)
                       for item in items]
             src.add(f"{src.name(fn, '_J')}[{src.name(grid, '_G')}]({', '.join(values)}, "
                     f"**{src.name(keywords, '_W')})", depth)
@@ -596,6 +615,12 @@ def _reads_inputs(template: tuple) -> bool:
     return any(_reads_inputs(t) for t in body)
 
 
+def _scalar(src: _Source, value: Any) -> str:
+    """An expression for a recorded scalar: a constant's name, or a per-call integer read
+    from the call."""
+    return value.expr if type(value) is _PerCall else src.name(value)
+
+
 def _pointer(src: _Source, rec: _Recorder, ref: _Ref) -> str:
     kind, index, offset = ref[:3]
     if kind == "const":
@@ -636,10 +661,12 @@ class Replays:
     """One kernel's recipes, keyed by signature (see the module docstring). Lives on the
     plugin host; :meth:`clear` forgets them (``PluginHost.clear_caches``)."""
 
-    __slots__ = ("kernel", "mode", "active", "recipes", "tries", "why", "_current")
+    __slots__ = ("kernel", "mode", "active", "recipes", "tries", "why", "_current", "per_call")
 
-    def __init__(self, kernel: str) -> None:
+    def __init__(self, kernel: str, per_call: dict[int, str] | None = None) -> None:
         self.kernel = kernel
+        # The family's per-call integers (KernelSpec.runtime): position -> name.
+        self.per_call = per_call or {}
         self.recipes: dict[tuple, Recipe | None] = {}  # None: the signature never replays
         self.tries: dict[tuple, int] = {}
         self.why: dict[tuple, str] = {}  # why a signature is not replayed
@@ -665,6 +692,8 @@ class Replays:
         play, an argument of another type than a tensor, a scalar or a tuple of them)."""
         if RECORDING and recorder() is not None:
             return None  # a call inside a recorded one: its launches belong to that recipe
+        if self.per_call:
+            args, kwargs = self._widths(args, kwargs)
         grad = torch.is_grad_enabled()
         key = [_context.current.get()]
         pointers = []
@@ -707,6 +736,30 @@ class Replays:
             key.append(self._current())
         return tuple(key), pointers
 
+    def _widths(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with each per-call integer in [0, 2**63) replaced by its
+        integer width's stand-in (0: int32, 2**40: int64), as direct launches key them:
+        one recipe for every value. Others (negative, a bool, not an int) stay as they are,
+        so the full path sees them and its checks speak."""
+        args = list(args)
+        for i, name in self.per_call.items():
+            if i < len(args):
+                args[i] = _width(args[i])
+            elif name in kwargs:
+                kwargs = {**kwargs, name: _width(kwargs[name])}
+        return tuple(args), kwargs
+
+    def _per_call_values(self, args: tuple, kwargs: dict) -> dict:
+        """The call's per-call integers: value -> the recipe's expression for it (None where
+        two share a value: a launch's could be either)."""
+        found: dict = {}
+        for i, name in self.per_call.items():
+            expr, value = (f"args[{i}]", args[i]) if i < len(args) else \
+                (f"kwargs[{name!r}]", kwargs.get(name))
+            if type(value) is int:
+                found[value] = None if value in found else expr
+        return found
+
     def call(self, key: tuple, full: Callable[[tuple, dict], Any], args: tuple,
              kwargs: dict) -> Any:
         """``full(args, kwargs)``, the full path of a call of signature ``key`` that has no
@@ -721,7 +774,8 @@ class Replays:
                 self.tries[key] = 0
             return full(args, kwargs)
         global RECORDING
-        rec = _Recorder(_tensors(args, kwargs), self.mode)
+        rec = _Recorder(_tensors(args, kwargs), self.mode,
+                        self._per_call_values(args, kwargs) if self.per_call else None)
         _tls.recorder = rec
         with _recording_lock:  # never 0 while a thread records: its launches would go unseen
             RECORDING += 1
@@ -758,6 +812,12 @@ class Replays:
         if recipe is None:
             return f"not replayed: {self.why.get(key, '?')}"
         return recipe.source
+
+
+def _width(value: Any) -> Any:
+    if type(value) is not int or not 0 <= value < 2**63:
+        return value
+    return 0 if value < 2**31 else 2**40
 
 
 def stage(plan: Any, fn: Callable, static: tuple, *args: Any) -> Any:

@@ -330,7 +330,7 @@ class KernelHandle:
         if any(v.replay for v in host.registry.variants.get(spec.name, {}).values()):
             replays = host.replays.get(spec.name)
             if replays is None:
-                replays = host.replays[spec.name] = _replay.Replays(spec.name)
+                replays = host.replays[spec.name] = _replay.Replays(spec.name, _per_call(spec))
         self._replays = replays
         self.summary = f"{spec.name}{spec.signature}: {spec.summary}"
         # For a kernel without an operator, the call itself behind a graph break: under
@@ -494,6 +494,14 @@ def get_kernel(name: str) -> KernelHandle:
 def list_kernels() -> list[str]:
     """Names of every declared kernel, sorted."""
     return sorted(plugins.host().registry.kernels)
+
+
+def _per_call(spec: KernelSpec) -> dict[int, str]:
+    """``spec.runtime``'s arguments by their position in a call: ``{position: name}``."""
+    if not spec.runtime:
+        return {}
+    names = list(inspect.signature(spec.problem).parameters)
+    return {names.index(name): name for name in spec.runtime}
 
 
 def list_variants(name: str, device: Any = None) -> list[str]:

@@ -8,6 +8,7 @@ add both to a :class:`Registry` from their ``pk_register_variants`` hook.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 import re
 from types import MappingProxyType
@@ -44,6 +45,11 @@ class KernelSpec:
             from a shape string such as ``"4096x4096x4096"`` (its meaning is the family's,
             stated in ``input_shape``); used by ``portable-kernels tune`` and benchmarks.
         input_shape: what ``inputs``' shape string means, e.g. ``"MxNxK"``.
+        runtime: names of ``problem``'s integer arguments that change from call to call (a
+            random seed). Replays (``Variant.replay``) key them by integer width, not value,
+            and pass each call's own value to the launches that take it at a runtime
+            position (``LaunchPlan.direct(..., runtime=...)``); values outside [0, 2**63)
+            keep the full path, whose checks run.
     """
 
     name: str
@@ -53,10 +59,17 @@ class KernelSpec:
     reference: Callable[..., Any] | None = None
     inputs: Callable[..., tuple] | None = None
     input_shape: str = ""
+    runtime: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) or "." in self.name:
             raise ValueError(f"kernel name {self.name!r} must be a lower-case identifier")
+        if self.runtime:
+            params = inspect.signature(self.problem).parameters
+            unknown = [n for n in self.runtime if n not in params]
+            if unknown:
+                raise ValueError(f"kernel {self.name!r}: runtime names {unknown}, which are not "
+                                 f"arguments of its problem function ({', '.join(params)})")
 
 
 Priority = "int | Callable[[DeviceInfo], int]"

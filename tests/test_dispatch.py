@@ -182,6 +182,19 @@ def test_variant_validates_itself():
         Variant("probe", "fake.x", None)
 
 
+def test_kernel_spec_runtime_names_arguments_of_its_problem():
+    """A per-call argument (a seed) is named as the problem function names it; a typo is an
+    error at registration, not at the first call."""
+    from portable_kernels.registry import KernelSpec
+
+    def problem(x, p, seed):
+        return x
+
+    assert KernelSpec("probe", "(x, p, seed)", problem, runtime=("seed",)).runtime == ("seed",)
+    with pytest.raises(ValueError, match=r"runtime names \['sed'\]"):
+        KernelSpec("probe", "(x, p, seed)", problem, runtime=("sed",))
+
+
 def test_register_capability_extends_the_vocabulary():
     pk.register_capability("acme_sparse", "Acme sparse tensor cores")
     Variant("probe", "acme.sparse", launcher, requires={"acme_sparse"})

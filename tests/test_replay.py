@@ -31,6 +31,7 @@ CASES = [
     ("kv_cache_write", "5x4x16x2x16", torch.float16),
     ("flash_attn", None, torch.float16), ("flash_attn_varlen", "7+3x2x16", torch.float16),
     ("flash_attn_with_kvcache", "2x1x4x2x40x16", torch.float16),
+    ("dropout", "100", torch.float16),
 ]
 
 
@@ -283,6 +284,62 @@ def test_a_launch_hook_takes_the_full_path(replaying, device):
     assert torch.equal(out, x + x) and len(seen) == 1 and recipe.calls == 1
 
 
+def test_dropout_replays_each_calls_own_seed(replaying, device):
+    """dropout's seed is a per-call argument (``KernelSpec.runtime``): one recipe serves
+    every seed of an integer width, each call's mask its own seed's; a seed the full path
+    rejects is rejected on a replayed signature too."""
+    handle = pk.get_kernel("dropout")
+    x = torch.randn(300, device=device).half()
+    seeds = [7, 8, 2**31 - 1, 0, 123456, 2**40, 2**40 + 5, 2**63 - 1]
+    for as_keyword in (False, True):
+        for seed in seeds:
+            got = handle(x, 0.5, seed=seed) if as_keyword else handle(x, 0.5, seed)
+            plan = handle.plan(x, 0.5, seed)
+            with launch.launch_guard(device) or contextlib.nullcontext():
+                want = plan.launch(plan, x, 0.5, seed)
+            _assert_same(got, want, f"seed {seed}")
+        assert not torch.equal(handle(x, 0.5, 7), handle(x, 0.5, 8))
+    replays = plugins.host().replays["dropout"]
+    recipes = [r for r in replays.recipes.values() if r is not None]
+    # int32 and int64 seeds, positional and keyword: four recipes, each replayed.
+    assert len(recipes) == 4 and all(r.calls >= 1 for r in recipes), replays.why
+    for bad in (-1, 2**63):
+        with pytest.raises(pk.PortableKernelsError, match="seed must be in"):
+            handle(x, 0.5, bad)
+
+
+def test_a_per_call_integer_is_read_from_each_call(cuda_stand_ins, monkeypatch):  # noqa: F811
+    """A direct launch's runtime scalar that is the call's per-call argument replays with
+    each call's value; the recipe reads it from the call."""
+    monkeypatch.setenv("PK_REPLAY", "direct")
+    launched = []
+    launch_ = _direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True, runtime=(3,),
+                                   binary=lambda kernel, guards: lambda *a: launched.append(a) or True)
+    plan = types.SimpleNamespace(
+        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
+        device=types.SimpleNamespace(capabilities=frozenset()))
+
+    def full(args, kwargs):
+        _replay.note_plan(plan, None)
+        x, seed = args
+        out = torch.empty_like(x)
+        launch_(_grid, (x, out, 8, int(seed)), {})
+        return out
+
+    replays = _replay.Replays("test", {1: "seed"})
+    x = torch.randn(8).half()
+    key = replays.signature((x, 5), {})[0]
+    assert key == replays.signature((x, 6), {})[0] != replays.signature((x, 2**40), {})[0]
+    assert replays.signature((x, -1), {})[0] != key  # the full path's check must see it
+    for seed in (5, 6):
+        replays.call(key, full, (x, seed), {})
+    recipe = replays.recipes[key]
+    assert recipe is not None and "args[1]" in recipe.source, replays.why
+    launched.clear()
+    recipe((x, 99), {}, [x.data_ptr()])
+    assert launched[0][4 + 3] == 99
+
+
 def _recorded_on_stand_ins(body, replayed: bool = True) -> tuple:
     """``(recipe, xs)``: the recipe of ``body(x)`` run as a handle's full path on a stand-in
     plan of a variant with direct launches, recorded at the second of three signature-equal
@@ -311,8 +368,8 @@ def _recorded_on_stand_ins(body, replayed: bool = True) -> tuple:
 
 
 def test_a_launch_with_a_runtime_scalar_is_not_recorded(cuda_stand_ins, monkeypatch):  # noqa: F811
-    """A recipe holds a launch's scalars as recorded: a seed new on every call would be
-    replayed stale."""
+    """A recipe holds a launch's scalars as recorded: a seed new on every call that is not
+    one of the call's per-call arguments (``KernelSpec.runtime``) would be replayed stale."""
     monkeypatch.setenv("PK_REPLAY", "direct")
     launch = _direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True, runtime=(3,))
 
@@ -458,7 +515,8 @@ def test_a_plan_taken_inside_a_recorded_call_must_replay_too(monkeypatch, device
     replays = _replay.Replays("test")
 
     def nested(plan, x):
-        pk.get_kernel("dropout").plan(x, 0.5, 1)  # dropout draws on the host: no replay
+        # grouped_matmul's lists never replay, so its variants do not opt in.
+        pk.get_kernel("grouped_matmul").plan([x.view(2, 2)], [x.view(2, 2)])
         return torch.empty_like(x)
 
     key, _ = _record(replays, nested, torch.zeros(4, device=device))

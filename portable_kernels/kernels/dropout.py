@@ -194,7 +194,7 @@ def register(registry) -> None:
     registry.add_kernel(KernelSpec(
         NAME, "(x, p, seed) -> out", problem,
         "dropout with a counter-based (Philox) mask: same seed, same mask, none stored",
-        reference, inputs, "N"))
+        reference, inputs, "N", runtime=("seed",)))
     registry.add_variant(Variant(
         NAME, "generic", launch, accepts=_host.dtype_supported, configs=_host.elementwise_configs,
-        description="pointer loads with a tail mask; tl.rand mask regenerated in backward"))
+        replay=True, description="pointer loads with a tail mask; tl.rand mask regenerated in backward"))
