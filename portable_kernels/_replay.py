@@ -363,8 +363,8 @@ class _Recorder(TorchDispatchMode):
                            torch._C._cuda_getDevice(), launcher, scratch))
 
     def _jit_step(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
-        items = [self._ref(a) if isinstance(a, torch.Tensor) else ("const", self._scalar(launcher, i, a))
-                 for i, a in enumerate(args)]
+        items = [self._ref(a) if isinstance(a, torch.Tensor)
+                 else ("const", self._scalar(launcher, i, a)) for i, a in enumerate(args)]
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             raise _Unrecordable("a launch took a tensor keyword")
         self.steps.append(("jit", launcher.fn, grid, items, {**kwargs, **launcher.config}))

@@ -17,9 +17,9 @@ but ``generic`` must accept every valid problem wherever the device can run it, 
 least one variant must run. On the CPU interpreter, where the variants are the same
 source run again with other switches and an example of attention costs seconds a variant,
 an example runs ``generic`` and one other variant, which the example's own shapes and
-options pick (``PK_FUZZ_ALL_VARIANTS=1``: all of them). Each variant is forced with ``pk.use_variant`` under
-``poisoned_allocations`` (memory torch allocates uninitialized is NaN, so an output element
-a kernel never writes fails the comparison). Outputs and, for differentiable families,
+options pick (``PK_FUZZ_ALL_VARIANTS=1``: all of them). Each variant is forced with
+``pk.use_variant`` under ``poisoned_allocations`` (memory torch allocates uninitialized is
+NaN, so an output element a kernel never writes fails the comparison). Outputs and, for differentiable families,
 gradients are compared with float64 torch references within the tolerance table of
 ``portable_kernels.testing`` (with the conformance suites' adjustments for gradients that
 are sums, and a conditioning bound where the computation is ill-conditioned). dropout is

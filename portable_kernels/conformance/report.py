@@ -288,7 +288,8 @@ def _device_line(report: dict) -> str:
     line = f"{d['name']} ({d['vendor']} {d['arch']}{emu}) on {', '.join(report['torch_devices']) or '?'}"
     # The backend's record for the architecture before this run (a report from such a
     # device is itself the first run there).
-    return line + (f"; kernels on {d['arch']} before this run: {d['evidence']}" if d.get("evidence") else "")
+    evidence = d.get("evidence")
+    return line + (f"; kernels on {d['arch']} before this run: {evidence}" if evidence else "")
 
 
 def _summary_line(summary: dict) -> str:
@@ -327,7 +328,8 @@ def text_matrix(report: dict, width: int | None = None) -> str:
         body,
         *legend,
     ]
-    lines += ["", fill(f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s", max_width=width)]
+    summary = f"{_summary_line(report['summary'])} in {report['duration_s']:.1f}s"
+    lines += ["", fill(summary, max_width=width)]
     return "\n".join(lines)
 
 
