@@ -820,7 +820,8 @@ def _width(value: Any) -> Any:
     return 0 if value < 2**31 else 2**40
 
 
-def stage(plan: Any, fn: Callable, static: tuple, *args: Any) -> Any:
+def stage(plan: Any, fn: Callable, static: tuple, *args: Any,
+          per_call: dict[int, str] | None = None) -> Any:
     """``fn(plan, *args, *static)``: a forward or backward stage that a family's autograd
     ``Function`` runs, replayed per signature as handle calls are.
 
@@ -831,8 +832,9 @@ def stage(plan: Any, fn: Callable, static: tuple, *args: Any) -> Any:
     replay like any call: one :class:`Replays` per plan and stage function, the signature
     being ``args``' (tensors, scalars) and ``static``'s (hashable values that decide the path
     with them, e.g. attention options without tensors). The plan's variant must opt in
-    (``Variant.replay``), as for handles."""
-    replays = plan.stage_replays(fn)
+    (``Variant.replay``), as for handles. ``per_call``: ``{position in args: name}`` of
+    integers new on every call (a seed), replayed as ``KernelSpec.runtime`` says."""
+    replays = plan.stage_replays(fn, per_call)
     if replays is None or not replays.active:
         return fn(plan, *args, *static)
     signature = replays.signature(args, {})

@@ -267,15 +267,16 @@ class LaunchPlan:
         chosen = self._chosen.get((tuned, problem_key))
         return None if chosen is None else chosen.config
 
-    def stage_replays(self, fn: Any) -> Any:
+    def stage_replays(self, fn: Any, per_call: dict[int, str] | None = None) -> Any:
         """The :class:`~portable_kernels._replay.Replays` of stage ``fn`` on this plan
-        (``_replay.stage``), or None where the variant does not replay."""
+        (``_replay.stage``; ``per_call`` its per-call integers), or None where the variant
+        does not replay."""
         if not self.variant.replay:
             return None
         replays = self._tuned.get(("stage", fn))
         if replays is None:
             name = f"{self.variant.kernel}:{getattr(fn, '__name__', 'stage')}"
-            replays = self._tuned[("stage", fn)] = _replay.Replays(name)
+            replays = self._tuned[("stage", fn)] = _replay.Replays(name, per_call)
         return replays
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:

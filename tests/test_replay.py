@@ -308,6 +308,31 @@ def test_dropout_replays_each_calls_own_seed(replaying, device):
             handle(x, 0.5, bad)
 
 
+def test_dropouts_autograd_stages_replay_each_calls_seed(replaying, monkeypatch, device):
+    """dropout's forward and backward stages under autograd replay with each call's seed:
+    outputs and gradients equal the stages run in full, seed by seed."""
+    handle = pk.get_kernel("dropout")
+    x = torch.randn(300, device=device).half()
+    grad = torch.randn(300, device=device).half()
+
+    def run(seed):
+        leaf = x.clone().requires_grad_()
+        out = handle(leaf, 0.5, seed)
+        return out.detach(), torch.autograd.grad(out, leaf, grad)[0]
+
+    for seed in (11, 12, 13, 14, 2**40, 2**40 + 1, 2**40 + 2):
+        got = run(seed)
+        with monkeypatch.context() as m:
+            m.setattr(_replay, "stage", lambda plan, fn, static, *a, per_call=None: fn(plan, *a, *static))
+            want = run(seed)
+        _assert_same(got, want, f"seed {seed}")
+    assert not torch.equal(run(11)[1], run(12)[1])
+    recipes = [r for s in _stage_replays(handle, (x, 0.5, 11), {}) for r in s.recipes.values()]
+    # The forward's x and the backward's gradient have one signature: a recipe per seed
+    # width, each replayed.
+    assert len(recipes) == 2 and all(r is not None and r.calls >= 1 for r in recipes)
+
+
 def test_a_per_call_integer_is_read_from_each_call(cuda_stand_ins, monkeypatch):  # noqa: F811
     """A direct launch's runtime scalar that is the call's per-call argument replays with
     each call's value; the recipe reads it from the call."""

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelSpec, Variant
+from .. import _replay
 from . import _host
 
 NAME = "dropout"
@@ -123,18 +124,24 @@ def launch(plan, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
 
 # --- autograd -------------------------------------------------------------------------------
 
+#: ``_apply``'s per-call argument (the seed, after x and p): its stages replay with each
+#: call's seed, as the handle's replays do (``KernelSpec.runtime``).
+_SEED = {2: "seed"}
+
+
 class _DropoutFunction(_host.Function):
     """Saves only ``(p, seed)``: d(out)/dx is the same mask and scale as the forward."""
 
     @staticmethod
     def forward(ctx, x, p, seed, plan):
         ctx.p, ctx.seed, ctx.plan = p, seed, plan
-        return _apply(plan, x, p, seed)
+        return _replay.stage(plan, _apply, (), x, p, seed, per_call=_SEED)
 
     @staticmethod
     def backward(ctx, grad_out):
         with _host.launching(grad_out.device):
-            return _apply(ctx.plan, grad_out, ctx.p, ctx.seed), None, None, None
+            dx = _replay.stage(ctx.plan, _apply, (), grad_out, ctx.p, ctx.seed, per_call=_SEED)
+        return dx, None, None, None
 
 
 # --- reference ------------------------------------------------------------------------------
