@@ -499,7 +499,7 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
         if step[0] == "direct":
             _, binary, kernel, g, refs, scalars, tail, device_index, launcher, scratch = step
             values = [_pointer(src, rec, ref) for ref in refs]
-            values += [_scalar(src, v) for v in (*scalars, *tail)]
+            values += [_scalar_expr(src, v) for v in (*scalars, *tail)]
             head = f"{g[0]}, {g[1]}, {g[2]}, s{device_index}"
             if binary is not None:
                 src.add(f"{src.name(binary, '_L')}({head}, {', '.join(values)})", depth)
@@ -516,7 +516,7 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
             src.add(f"{src.name(launcher, '_D')}.launches += 1", depth)
         else:
             _, fn, grid, items, keywords = step
-            values = [_scalar(src, item[1]) if item[0] == "const" else _tensor(src, rec, item)
+            values = [_scalar_expr(src, item[1]) if item[0] == "const" else _tensor(src, rec, item)
                       for item in items]
             src.add(f"{src.name(fn, '_J')}[{src.name(grid, '_G')}]({', '.join(values)}, "
                     f"**{src.name(keywords, '_W')})", depth)
@@ -615,7 +615,7 @@ def _reads_inputs(template: tuple) -> bool:
     return any(_reads_inputs(t) for t in body)
 
 
-def _scalar(src: _Source, value: Any) -> str:
+def _scalar_expr(src: _Source, value: Any) -> str:
     """An expression for a recorded scalar: a constant's name, or a per-call integer read
     from the call."""
     return value.expr if type(value) is _PerCall else src.name(value)

@@ -284,6 +284,13 @@ def test_a_launch_hook_takes_the_full_path(replaying, device):
     assert torch.equal(out, x + x) and len(seen) == 1 and recipe.calls == 1
 
 
+def _stand_in_plan():
+    """A plan of a replaying variant with direct launches, as the recorder checks it."""
+    return types.SimpleNamespace(
+        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
+        device=types.SimpleNamespace(capabilities=frozenset()))
+
+
 def test_dropout_replays_each_calls_own_seed(replaying, device):
     """dropout's seed is a per-call argument (``KernelSpec.runtime``): one recipe serves
     every seed of an integer width, each call's mask its own seed's; a seed the full path
@@ -340,9 +347,7 @@ def test_a_per_call_integer_is_read_from_each_call(cuda_stand_ins, monkeypatch):
     launched = []
     launch_ = _direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True, runtime=(3,),
                                    binary=lambda kernel, guards: lambda *a: launched.append(a) or True)
-    plan = types.SimpleNamespace(
-        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
-        device=types.SimpleNamespace(capabilities=frozenset()))
+    plan = _stand_in_plan()
 
     def full(args, kwargs):
         _replay.note_plan(plan, None)
@@ -370,9 +375,7 @@ def _recorded_on_stand_ins(body, replayed: bool = True) -> tuple:
     plan of a variant with direct launches, recorded at the second of three signature-equal
     fp16 inputs ``xs`` (the third is left for the caller's replay); with ``replayed``
     False, ``(why it was not recorded, xs)``."""
-    plan = types.SimpleNamespace(
-        _direct_launches=lambda: True, variant=types.SimpleNamespace(name="test", replay=True),
-        device=types.SimpleNamespace(capabilities=frozenset()))
+    plan = _stand_in_plan()
 
     def full(args, kwargs):
         _replay.note_plan(plan, None)
