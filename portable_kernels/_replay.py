@@ -55,7 +55,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _context, _direct
+from . import _context, _direct, _signature
 from . import launch as _launch
 
 __all__ = ["Recipe", "Replays", "mode", "stage"]
@@ -78,8 +78,7 @@ DECLINED = object()
 #: What ``Replays.recipes.get(key, UNSEEN)`` answers for a signature without a recipe yet.
 UNSEEN = object()
 
-_SCALARS = frozenset({int, float, bool, str, type(None)})
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_SCALARS = _signature.SCALARS
 
 #: What replays allocate with (read when a recipe is built; tests poison it).
 ALLOCATE = torch.empty_strided
@@ -171,9 +170,10 @@ def note_value_checks() -> None:
 
 
 class Recipe:
-    """One recorded call: ``recipe(args, kwargs, pointers)`` replays it, or answers
-    :data:`DECLINED`. ``source`` is the generated function's text; ``calls`` counts replays
-    (for tests)."""
+    """One recorded call: ``recipe.run(args, kwargs, pointers)`` (or ``recipe(...)``)
+    replays it, or answers :data:`DECLINED`. ``source`` is the generated function's text;
+    ``calls`` counts replays (for tests; the generated function counts itself, so that a
+    replay is one Python call)."""
 
     __slots__ = ("run", "source", "calls")
 
@@ -183,10 +183,7 @@ class Recipe:
         self.calls = 0
 
     def __call__(self, args: tuple, kwargs: dict, pointers: list) -> Any:
-        out = self.run(args, kwargs, pointers)
-        if out is not DECLINED:
-            self.calls += 1
-        return out
+        return self.run(args, kwargs, pointers)
 
 
 # A tensor's place in a recording: (kind, index, byte offset, size, stride, dtype), kind
@@ -522,12 +519,14 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
                     f"**{src.name(keywords, '_W')})", depth)
         for k in ends.get(i, ()):
             src.add(f"del a{k}", depth)
+    src.add("_recipe.calls += 1")
     src.add(f"return {_result(src, rec, template)}")
     source = "def replay(args, kwargs, p):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.names)
     namespace["_kept"] = rec.roots["const"]  # alive while the recipe is
     exec(compile(source, "<portable_kernels replay>", "exec"), namespace)
-    return Recipe(namespace["replay"], source)
+    recipe = namespace["_recipe"] = Recipe(namespace["replay"], source)
+    return recipe
 
 
 #: Bytes between the allocations carved from one workspace: what torch's caching allocator
@@ -661,7 +660,8 @@ class Replays:
     """One kernel's recipes, keyed by signature (see the module docstring). Lives on the
     plugin host; :meth:`clear` forgets them (``PluginHost.clear_caches``)."""
 
-    __slots__ = ("kernel", "mode", "active", "recipes", "tries", "why", "_current", "per_call")
+    __slots__ = ("kernel", "mode", "active", "recipes", "tries", "why", "current", "per_call",
+                 "key")
 
     def __init__(self, kernel: str, per_call: dict[int, str] | None = None) -> None:
         self.kernel = kernel
@@ -683,58 +683,22 @@ class Replays:
         self.tries.clear()
         self.why.clear()
         # With several GPUs a launch's device is the current one: part of the signature.
-        self._current = None
+        self.current = None
         if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-            self._current = torch._C._cuda_getDevice
+            self.current = torch._C._cuda_getDevice
+        # key(args, kwargs, current): the signature's builder, the C one where it builds
+        # (built only where replays are active).
+        self.key = _signature.signature() if self.active else _signature.python_signature
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
         """``(key, pointers)`` of a call, or None where it cannot replay (a gradient in
-        play, an argument of another type than a tensor, a scalar or a tuple of them)."""
+        play, an argument of another type than a tensor, a scalar or a tuple of them):
+        ``portable_kernels._signature``."""
         if RECORDING and recorder() is not None:
             return None  # a call inside a recorded one: its launches belong to that recipe
         if self.per_call:
             args, kwargs = self._widths(args, kwargs)
-        grad = torch.is_grad_enabled()
-        key = [_context.current.get()]
-        pointers = []
-        first = None  # the first tensor's device index, or device where it has none
-        for a in (itertools.chain(args, kwargs.values()) if kwargs else args):
-            kind = type(a)
-            if kind in _TENSORS:
-                if grad and a.requires_grad:
-                    return None
-                p = a.data_ptr()
-                # The device's index, not a.device: an int hashes and compares in the
-                # lookup for less than a device object does.
-                index = a.get_device()
-                if index < 0:  # the host, meta or another device without an index
-                    index = a.device
-                if first is None:
-                    first = index
-                    if type(index) is int:
-                        key.append(a.is_cuda or a.device.type)  # once; is_cuda is cheaper
-                elif type(index) is not type(first) or (type(index) is not int
-                                                        and index.type != first.type):
-                    # A host tensor beside device ones: its values may steer the host code
-                    # (a host read the dispatch mode does not see).
-                    return None
-                key.append((a.dtype, a.shape, a.stride(), index, p & 15))
-                pointers.append(p)
-            elif kind in _SCALARS:
-                key.append(kind)
-                key.append(a)
-            elif kind is tuple and all(type(v) in _SCALARS for v in a):
-                key.append(tuple(map(type, a)))  # (1, 0) == (1.0, 0) == (True, 0)
-                key.append(a)
-            else:
-                return None
-        if kwargs:
-            key.append(tuple(kwargs))
-        if len(pointers) > 1 and len(set(pointers)) < len(pointers):
-            key.append(tuple([pointers.index(p) for p in pointers]))  # which share an address
-        if self._current is not None:
-            key.append(self._current())
-        return tuple(key), pointers
+        return self.key(args, kwargs, self.current)
 
     def _widths(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with each per-call integer in [0, 2**63) replaced by its
@@ -850,7 +814,7 @@ def stage(plan: Any, fn: Callable, static: tuple, *args: Any,
 
         return replays.call(key, full, args, {})
     if recipe is not None:
-        out = recipe(args, {}, signature[1])
+        out = recipe.run(args, {}, signature[1])
         if out is not DECLINED:
             return out
     return fn(plan, *args, *static)

@@ -350,13 +350,18 @@ class KernelHandle:
             # A signature seen before replays its recorded allocations and launches. (A call
             # with a signature needs no gradient: none is taken where a tensor argument
             # requires one under grad mode, nor for list arguments.)
-            signature = replays.signature(args, kwargs)
+            # The key straight from its C builder where nothing records and no argument is
+            # new on every call (a Python frame less on the path every replay takes).
+            if _replay.RECORDING or replays.per_call:
+                signature = replays.signature(args, kwargs)
+            else:
+                signature = replays.key(args, kwargs, replays.current)
             if signature is not None:
                 recipe = replays.recipes.get(signature[0], _replay.UNSEEN)
                 if recipe is _replay.UNSEEN:
                     return replays.call(signature[0], self._launch, args, kwargs)
                 if recipe is not None:
-                    out = recipe(args, kwargs, signature[1])
+                    out = recipe.run(args, kwargs, signature[1])
                     if out is not _replay.DECLINED:
                         return out
                 return self._launch(args, kwargs)
