@@ -12,7 +12,10 @@ Three ways to compute ``vector_add`` on the same small tensors (so launch cost d
 - ``handle``: ``pk.get_kernel("vector_add")(x, y)`` (the launcher plus selection).
 
 ``handle - launcher`` is the dispatch cost. A fourth row times dispatch alone, through a
-kernel whose launcher does nothing, so it is measured without any launch noise.
+kernel whose launcher does nothing, so it is measured without any launch noise. Then the
+pieces a replayed call (``portable_kernels/_replay.py``) is left with, beside torch's own
+add: the handle with its signature keyed in Python instead of C (``_signature.py``), each
+signature alone, and the output's allocation two ways.
 
     python bench/dispatch_overhead.py [--quick] [--device cuda] [--iters 20000] [--json PATH]
 
@@ -30,7 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from portable_kernels import KernelSpec, Variant, dispatch, hookimpl, plugins
+from portable_kernels import KernelSpec, Variant, _signature, dispatch, hookimpl, plugins
 from portable_kernels.kernels import vector_add
 
 import _common  # bench/, beside this script
@@ -114,6 +117,28 @@ def main() -> None:
         "launcher": _per_call_ns(lambda: vector_add.launch(plan, x, y), args.iters, args.rounds, sync),
         "handle": _per_call_ns(lambda: handle(x, y), args.iters, args.rounds, sync),
     }
+    replays = plugins.host().replays.get("vector_add")
+    if replays is not None and replays.active:
+        key = replays.key
+        replays.key = _signature.python_signature
+        rows["handle, signature in Python"] = _per_call_ns(lambda: handle(x, y), args.iters,
+                                                           args.rounds, sync)
+        replays.key = key
+    rows["torch.add"] = _per_call_ns(lambda: torch.add(x, y), args.iters, args.rounds, sync)
+    c_key = _signature.c_signature()
+    if c_key is not None:
+        rows["signature in C"] = _per_call_ns(lambda: c_key((x, y), {}, None), args.iters,
+                                              args.rounds, lambda: None)
+    rows["signature in Python"] = _per_call_ns(
+        lambda: _signature.python_signature((x, y), {}, None), args.iters, args.rounds,
+        lambda: None)
+    size, stride, dtype = tuple(x.shape), x.stride(), x.dtype
+    rows["torch.empty_strided"] = _per_call_ns(
+        lambda: torch.empty_strided(size, stride, dtype=dtype, device=device), args.iters,
+        args.rounds, sync)
+    new = torch.empty(0, dtype=dtype, device=device).new_empty_strided
+    rows["Tensor.new_empty_strided"] = _per_call_ns(lambda: new(size, stride), args.iters,
+                                                    args.rounds, sync)
     noop = pk.get_kernel("noop")
     noop_iters = max(args.iters, 20000 if args.quick else 200000)
     rows["dispatch only (noop kernel)"] = _per_call_ns(lambda: noop(x), noop_iters, args.rounds, lambda: None)
