@@ -181,6 +181,28 @@ def test_allocations_and_views_replay_without_the_launcher(monkeypatch):
     assert tail.stride() == y[1:].t().stride() and tail.data_ptr() == y[1].data_ptr()
 
 
+def test_replayed_allocations_keep_dtype_device_and_strides(monkeypatch):
+    """Replays allocate through a bound ``new_empty_strided`` of an empty tensor per dtype
+    and device: each new tensor has the recorded dtype, device, shape and strides."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+    replays = _replay.Replays("test")
+
+    def allocations(plan, x):
+        return (torch.empty_strided((3, 4), (1, 3), dtype=torch.float16, device=x.device),
+                torch.empty(5, dtype=torch.int32, device=x.device), torch.empty_like(x))
+
+    x = torch.randn(2, 7).t()
+    key, _ = _record(replays, allocations, x)
+    recipe = replays.recipes[key]
+    assert recipe is not None, replays.why
+    assert "_N" in recipe.source and "_empty_strided" not in recipe.source, recipe.source
+    outs = recipe((x,), {}, [x.data_ptr()])
+    want = allocations(None, x)
+    for got, ref in zip(outs, want):
+        assert (got.dtype, got.device, got.shape, got.stride()) == \
+            (ref.dtype, ref.device, ref.shape, ref.stride())
+
+
 def test_the_signature_tells_apart_calls_that_may_take_another_path():
     replays = _replay.Replays("test")
     x, y = torch.zeros(8), torch.zeros(8)
@@ -442,7 +464,7 @@ def test_direct_launches_replay_with_the_new_addresses(cuda_stand_ins, monkeypat
     assert counts - partial == 512 and rest2 == [3, 2.0, 64, True]
     assert made[-1] == ()  # the replay's launcher checks nothing: the signature fixed it all
     assert first.launches == second.launches == 2  # a replay's launches count as direct ones
-    assert "w = _empty_strided" in recipe.source
+    assert "w = _N" in recipe.source  # the two launches' temporaries: one workspace
 
 
 def test_a_kernel_with_global_scratch_replays_through_tritons_launcher(cuda_stand_ins,  # noqa: F811
