@@ -85,13 +85,14 @@ def python_signature(args: tuple, kwargs: dict,
 
 _lock = threading.Lock()
 _c: Any = None
+_c_module: Any = None  # the built module (tests re-init it with stand-in tensor classes)
 _c_failed = False
 
 
 def c_signature() -> Callable | None:
     """``_signature.c``'s ``signature`` (built once per process), or None where it does not
     build or ``PK_C_SIGNATURE=0``."""
-    global _c, _c_failed
+    global _c, _c_module, _c_failed
     if _c is None and not _c_failed:
         with _lock:
             if _c is None and not _c_failed:
@@ -104,7 +105,7 @@ def c_signature() -> Callable | None:
                     src = Path(__file__).with_name("_signature.c").read_text()
                     module = compile_module_from_src(src, "portable_kernels_signature")
                     module.init(tuple(TENSORS), _context.current, torch.is_grad_enabled)
-                    _c = module.signature
+                    _c, _c_module = module.signature, module
                 except Exception as exc:  # no compiler, no headers: the Python one serves
                     _c_failed = True
                     log.warning("portable_kernels: the C signature did not build (%s); "

@@ -105,3 +105,47 @@ def test_the_python_signature_serves_where_asked(monkeypatch):
     monkeypatch.setenv("PK_C_SIGNATURE", "0")
     assert _signature.c_signature() is None
     assert _signature.signature() is _signature.python_signature
+
+
+class _OnDevice:
+    """A stand-in for a tensor on an indexed device (a GPU), whose getters the signatures
+    read: the CPU machine has no tensor whose ``get_device()`` is an index."""
+
+    def __init__(self, index: int, ptr: int, shape=(4, 8), dtype=torch.float16,
+                 requires_grad=False, kind="cuda"):
+        self.index, self.ptr, self.shape, self.dtype = index, ptr, torch.Size(shape), dtype
+        self.requires_grad, self.is_cuda = requires_grad, kind == "cuda"
+        self.device = torch.device(kind, index)
+
+    def data_ptr(self):
+        return self.ptr
+
+    def get_device(self):
+        return self.index
+
+    def stride(self):
+        return (self.shape[1], 1)
+
+
+def test_c_and_python_keys_are_equal_on_indexed_devices(monkeypatch):
+    """The path every GPU call takes (an int device index; once, is_cuda or the device's
+    type), through stand-ins registered as the tensor classes of both signatures."""
+    monkeypatch.setattr(_signature, "TENSORS", frozenset({_OnDevice}))
+    _signature._c_module.init((_OnDevice,), pk._context.current, torch.is_grad_enabled)
+    try:
+        a, b = _OnDevice(0, 2**40), _OnDevice(0, 2**40 + 4096 + 2, shape=(2, 3))
+        cases = [((a, b), {}), ((a, a, 1.5), {}), ((b,), {"x": a}),
+                 ((a, _OnDevice(1, 2**41)), {}),  # two indices: both in the key
+                 ((_OnDevice(0, 64, kind="xpu"), a), {}),
+                 ((_OnDevice(0, 64, requires_grad=True),), {}),
+                 ((a, torch.zeros(2)), {})]  # a host tensor (not a TENSORS class here): None
+        for i, (args, kwargs) in enumerate(cases):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    want = _signature.python_signature(args, kwargs, lambda: 3)
+                    assert _C(args, kwargs, lambda: 3) == want, (i, grad)
+        assert _C((a, b), {}, None)[0][1] is True  # is_cuda, once after the context
+        assert _C((_OnDevice(0, 64, kind="xpu"),), {}, None)[0][1] == "xpu"
+    finally:
+        _signature._c_module.init((torch.Tensor, torch.nn.Parameter), pk._context.current,
+                                  torch.is_grad_enabled)
