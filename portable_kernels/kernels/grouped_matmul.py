@@ -226,14 +226,30 @@ def _common_layout(layouts: set[str]) -> str:
 
 
 def problem(list_a, list_b) -> Problem:
-    """Selection key of a ``grouped_matmul(list_a, list_b)`` call."""
-    dtype, device = _check(list_a, list_b)
-    size = list_a[0].element_size()
-    layout = _common_layout({
-        _layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), a.shape[0], b.shape[1],
-                a.shape[1], size)
-        for a, b in zip(list_a, list_b)})
-    return Problem(device, dtype, layout)
+    """Selection key of a ``grouped_matmul(list_a, list_b)`` call, after checking every
+    group (the launcher trusts it): one pass over the groups where they are valid."""
+    _check_lists(list_a, list_b)
+    layouts = set()
+    try:
+        dtype, device = list_a[0].dtype, list_a[0].device
+        size = list_a[0].element_size()
+        valid = dtype in _TL_DTYPES
+        for a, b in zip(list_a, list_b) if valid else ():
+            (m, k), (k_b, n) = a.shape, b.shape
+            if not (a.dtype is dtype and b.dtype is dtype and a.device == device
+                    and b.device == device and k == k_b):
+                valid = False
+                break
+            layouts.add(_layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), m, n, k,
+                                size))
+    except (AttributeError, ValueError):  # not a tensor, or not 2-D: named below
+        valid = False
+    if not valid:
+        dtype, device = _check(list_a, list_b)  # raises where a group is wrong
+        size = list_a[0].element_size()
+        layouts = {_layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), a.shape[0],
+                           b.shape[1], a.shape[1], size) for a, b in zip(list_a, list_b)}
+    return Problem(device, dtype, _common_layout(layouts))
 
 
 def tma_accepts(problem: Problem, device) -> str | None:
