@@ -182,20 +182,11 @@ def _layout(pa: int, sam: int, sak: int, pb: int, sbk: int, sbn: int,
 
 
 def _check(list_a, list_b) -> tuple[torch.dtype, torch.device]:
-    """The groups' one dtype and device, after checking every group: one dtype and device,
-    2-D operands with matching inner sizes. A tight loop for the usual case (it runs on
-    every call, for every group); the detailed checks, which name the first problem, only
-    when it fails."""
+    """The groups' one dtype and device, after checking every group in detail: one dtype
+    and device, 2-D operands with matching inner sizes; the error names the first wrong
+    group. :func:`problem` tests the valid case in one tight pass and calls this only
+    when that pass fails."""
     _check_lists(list_a, list_b)
-    try:
-        dtype, device = list_a[0].dtype, list_a[0].device
-        if dtype in _TL_DTYPES and all(
-                a.dtype is dtype and b.dtype is dtype and a.device == device
-                and b.device == device and a.dim() == 2 and b.dim() == 2
-                and a.shape[1] == b.shape[0] for a, b in zip(list_a, list_b)):
-            return dtype, device
-    except AttributeError:  # not a tensor: named below
-        pass
     tensors = {}
     for g, (a, b) in enumerate(zip(list_a, list_b)):
         tensors[f"list_a[{g}]"] = a
@@ -245,7 +236,9 @@ def problem(list_a, list_b) -> Problem:
     except (AttributeError, ValueError):  # not a tensor, or not 2-D: named below
         valid = False
     if not valid:
-        dtype, device = _check(list_a, list_b)  # raises where a group is wrong
+        # Raises where a group is wrong; what it passes (tensor-likes the tight pass does
+        # not take) gets its layouts here.
+        dtype, device = _check(list_a, list_b)
         size = list_a[0].element_size()
         layouts = {_layout(a.data_ptr(), *a.stride(), b.data_ptr(), *b.stride(), a.shape[0],
                            b.shape[1], a.shape[1], size) for a, b in zip(list_a, list_b)}
