@@ -53,7 +53,7 @@ import threading
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import _context, _direct, _signature
 from . import launch as _launch
@@ -169,6 +169,20 @@ def note_value_checks() -> None:
         rec.checks_values = True
 
 
+def table(build: Callable[[list, torch.device], torch.Tensor], values: list[int],
+          device: torch.device, pointers: Callable[[int], bool]) -> torch.Tensor:
+    """``build(values, device)``: a device tensor made from host integers, some of them
+    addresses (grouped_matmul's table of its groups' operands and outputs). Where this
+    thread records, the recording keeps the step: a replay builds the table again from the
+    recorded ``values`` with each address (``pointers(i)`` true for position ``i``)
+    replaced by the new call's, so an address must be one the call took or allocated.
+    Families call it only ``if _replay.RECORDING`` (else ``build`` directly)."""
+    rec = recorder()
+    if rec is None:
+        return build(values, device)
+    return rec.table(build, values, device, pointers)
+
+
 class Recipe:
     """One recorded call: ``recipe.run(args, kwargs, pointers)`` (or ``recipe(...)``)
     replays it, or answers :data:`DECLINED`. ``source`` is the generated function's text;
@@ -210,7 +224,9 @@ class _Recorder(TorchDispatchMode):
         self.refs: dict[int, _Ref] = {}
         self.roots = {"in": list(tensors), "alloc": [], "const": []}
         self.keep: list[torch.Tensor] = []  # every tensor with a ref, so ids stay unique
-        self.allocs: list[list] = []  # [size, stride, dtype, device, zero]
+        # [size, stride, dtype, device, zero, table]: table (a table step's build, values,
+        # device and address slots) or None (an allocation).
+        self.allocs: list[list] = []
         self.steps: list[tuple] = []
         self.failure: _Unrecordable | None = None
         self.quiet = 0
@@ -244,7 +260,7 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(out, torch.Tensor):
             self.failure = _Unrecordable("an allocation returned no tensor")
             return
-        self.allocs.append([tuple(out.shape), out.stride(), out.dtype, out.device, zero])
+        self.allocs.append([tuple(out.shape), out.stride(), out.dtype, out.device, zero, None])
         self._root("alloc", out)
 
     def _root(self, kind: str, t: torch.Tensor) -> None:
@@ -282,6 +298,40 @@ class _Recorder(TorchDispatchMode):
         offset += out.data_ptr() - base.data_ptr()
         self.keep.append(out)
         self.refs[id(out)] = (kind, index, offset, tuple(out.shape), out.stride(), out.dtype)
+
+    def table(self, build: Callable, values: list[int], device: torch.device,
+              pointers: Callable[[int], bool]) -> torch.Tensor:
+        """:func:`table`'s step: the table is an allocation whose replay rebuilds it."""
+        self.quiet += 1  # its copies and host buffers are the step's own
+        try:
+            out = build(values, device)
+        finally:
+            self.quiet -= 1
+        if self.failure is not None:
+            return out
+        if not isinstance(out, torch.Tensor):
+            self.failure = _Unrecordable("a table step returned no tensor")
+            return out
+        addresses = {}
+        for ref in self.refs.values():  # inputs first: refs keep insertion order
+            addresses.setdefault(self._address_of(ref), ref)
+        slots = []
+        for i, value in enumerate(values):
+            if pointers(i):
+                ref = addresses.get(value)
+                if ref is None:
+                    self.failure = _Unrecordable(
+                        "a table holds an address the call neither took nor allocated")
+                    return out
+                slots.append((i, ref))
+        self.allocs.append([tuple(out.shape), out.stride(), out.dtype, out.device, False,
+                            (build, list(values), device, slots)])
+        self._root("alloc", out)
+        return out
+
+    def _address_of(self, ref: _Ref) -> int:
+        kind, index, offset = ref[:3]
+        return self.roots[kind][index].data_ptr() + offset
 
     # --- launches ---
     def launch(self, launcher: Any, grid: Any, args: tuple, kwargs: dict) -> None:
@@ -424,7 +474,14 @@ def _scratch_allocator(src: _Source, device_index: int) -> str:
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:
-    return [a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)]
+    """The call's tensors in its signature's order: a list's (or tuple's) in place."""
+    found = []
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif type(a) in _signature.SEQUENCES:
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -462,8 +519,11 @@ def _build(rec: _Recorder, result: Any) -> Recipe:
     carved = _workspace(src, rec, live, returned) if direct and not jit else set()
 
     def allocate(k: int, depth: int) -> None:
-        size, stride, dtype, device, zero = rec.allocs[k]
-        src.add(f"a{k} = {_allocation(src, size, stride, dtype, device)}", depth)
+        size, stride, dtype, device, zero, table = rec.allocs[k]
+        if table is not None:
+            _table(src, rec, k, table, depth, direct)
+        else:
+            src.add(f"a{k} = {_allocation(src, size, stride, dtype, device)}", depth)
         if zero:
             src.add(f"a{k}.zero_()", depth)
         if direct:
@@ -543,6 +603,18 @@ def _live(rec: _Recorder) -> dict[int, list[int]]:
         for ref in refs:
             if ref[0] == "alloc":
                 live.setdefault(ref[1], [i, i])[1] = i
+    # An allocation a table holds the address of is live while the table is, and made
+    # before it (the launches write it through the table).
+    for k, alloc in enumerate(rec.allocs):
+        if alloc[5] is None:
+            continue
+        if k not in live:
+            raise _Unrecordable("a table no launch reads")
+        first, last = live[k]
+        for _, ref in alloc[5][3]:
+            if ref[0] == "alloc":
+                span = live.setdefault(ref[1], [first, last])
+                span[0], span[1] = min(span[0], first), max(span[1], last)
     return live
 
 
@@ -556,7 +628,8 @@ def _workspace(src: _Source, rec: _Recorder, live: dict[int, list[int]],
     Two allocations whose launches do not interleave share bytes (:func:`_places`): the
     full path frees a chunk loop's temporaries as it goes (the fused loss's logits chunks),
     and the replay, which allocates up front, must not hold them all at once."""
-    carve = [k for k, alloc in enumerate(rec.allocs) if k not in returned and not alloc[4]]
+    carve = [k for k, alloc in enumerate(rec.allocs)
+             if k not in returned and not alloc[4] and alloc[5] is None]
     if len(carve) < 2 or len({rec.allocs[k][3] for k in carve}) != 1:
         return set()
     spans = []
@@ -624,9 +697,39 @@ def _allocation(src: _Source, size: tuple, stride: tuple, dtype: torch.dtype,
                 f"device={src.name(device)})")
     new = src.templates.get((dtype, device))
     if new is None:
-        template = torch.empty(0, dtype=dtype, device=device)
-        new = src.templates[dtype, device] = src.name(template.new_empty_strided, "_N")
+        new = src.templates[dtype, device] = src.name(_allocator(dtype, device), "_N")
     return f"{new}({src.name(size)}, {src.name(stride)})"
+
+
+#: (dtype, device) -> a bound ``new_empty_strided`` of an empty tensor of them.
+_allocators: dict[tuple, Callable] = {}
+
+
+def _allocator(dtype: torch.dtype, device: torch.device) -> Callable:
+    """The bound ``new_empty_strided`` replays allocate ``dtype`` on ``device`` through,
+    made once per process. Its empty tensor is the library's own: made where no dispatch
+    mode sees it (a user's mode counting a call's allocations would count it once, when
+    the call that records builds its recipe)."""
+    new = _allocators.get((dtype, device))
+    if new is None:
+        with _disable_current_modes():
+            new = _allocators[dtype, device] = torch.empty(0, dtype=dtype,
+                                                           device=device).new_empty_strided
+    return new
+
+
+def _table(src: _Source, rec: _Recorder, k: int, table: tuple, depth: int,
+           direct: bool) -> None:
+    """Emit table step ``k``: the recorded values with the new call's addresses, built."""
+    build, values, device, slots = table
+    src.add(f"v{k} = {src.name(values, '_V')}.copy()", depth)
+    for i, ref in slots:
+        if direct or ref[0] != "alloc":
+            address = _pointer(src, rec, ref)
+        else:  # JIT recipes keep no addresses of their allocations
+            address = f"a{ref[1]}.data_ptr()" + (f" + {ref[2]}" if ref[2] else "")
+        src.add(f"v{k}[{i}] = {address}", depth)
+    src.add(f"a{k} = {src.name(build, '_B')}(v{k}, {src.name(device)})", depth)
 
 
 def _scalar_expr(src: _Source, value: Any) -> str:

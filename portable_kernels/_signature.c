@@ -17,7 +17,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define MAX_TENSORS 64
+/* Up to this many addresses the sharing test compares them pairwise; more go through a set. */
+#define MAX_TENSORS 16
 
 static PyObject *tensor_types = NULL; /* a tuple of exact classes */
 static PyObject *context_var = NULL;  /* a ContextVar with a default */
@@ -148,6 +149,36 @@ out:
   return rc;
 }
 
+/* A non-empty list or tuple of tensors only (grouped_matmul's groups): (its type, its
+ * length), then each tensor as an argument of its own. 1: appended; 0: no signature;
+ * -1: error. */
+static int add_tensors(State *st, PyObject *seq) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n == 0)
+    return 0;
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!is_tensor(PySequence_Fast_GET_ITEM(seq, i)))
+      return 0;
+  PyObject *head = Py_BuildValue("(On)", (PyObject *)Py_TYPE(seq), n);
+  if (head == NULL)
+    return -1;
+  int rc = PyList_Append(st->key, head);
+  Py_DECREF(head);
+  if (rc < 0)
+    return -1;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    /* A list's items may change under a getter (another thread): hold the one in hand. */
+    if (PySequence_Fast_GET_SIZE(seq) != n)
+      return 0;
+    PyObject *t = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+    rc = add_tensor(st, t);
+    Py_DECREF(t);
+    if (rc <= 0)
+      return rc;
+  }
+  return 1;
+}
+
 /* 1: appended; 0: no signature; -1: error. */
 static int add_value(State *st, PyObject *a) {
   if (is_tensor(a))
@@ -157,11 +188,13 @@ static int add_value(State *st, PyObject *a) {
       return -1;
     return 1;
   }
+  if (PyList_CheckExact(a))
+    return add_tensors(st, a);
   if (PyTuple_CheckExact(a)) {
     Py_ssize_t n = PyTuple_GET_SIZE(a);
     for (Py_ssize_t i = 0; i < n; ++i)
       if (!is_scalar(PyTuple_GET_ITEM(a, i)))
-        return 0;
+        return add_tensors(st, a);
     PyObject *types = PyTuple_New(n);
     if (types == NULL)
       return -1;
@@ -242,29 +275,39 @@ static PyObject *signature(PyObject *module, PyObject *const *argv, Py_ssize_t a
     if (rc < 0)
       goto done;
   }
-  if (st.n_ptrs > MAX_TENSORS) {
-    PyErr_SetString(PyExc_ValueError, "signature: too many tensors");
-    goto done;
-  }
   int shared = 0;
-  for (Py_ssize_t i = 1; i < st.n_ptrs && !shared; ++i)
-    for (Py_ssize_t j = 0; j < i; ++j)
-      if (st.ptrs[i] == st.ptrs[j]) {
-        shared = 1;
-        break;
-      }
-  if (shared) { /* which arguments share an address: each one's first index */
-    PyObject *which = PyTuple_New(st.n_ptrs);
-    if (which == NULL)
+  if (st.n_ptrs <= MAX_TENSORS) {
+    for (Py_ssize_t i = 1; i < st.n_ptrs && !shared; ++i)
+      for (Py_ssize_t j = 0; j < i; ++j)
+        if (st.ptrs[i] == st.ptrs[j]) {
+          shared = 1;
+          break;
+        }
+  } else {
+    PyObject *distinct = PySet_New(st.pointers);
+    if (distinct == NULL)
       goto done;
-    for (Py_ssize_t i = 0; i < st.n_ptrs; ++i) {
-      Py_ssize_t j = 0;
-      while (st.ptrs[j] != st.ptrs[i])
-        ++j;
-      PyTuple_SET_ITEM(which, i, PyLong_FromSsize_t(j));
+    shared = PySet_GET_SIZE(distinct) < st.n_ptrs;
+    Py_DECREF(distinct);
+  }
+  if (shared) { /* which arguments share an address: each one's first index */
+    PyObject *firsts = PyDict_New();
+    PyObject *which = firsts == NULL ? NULL : PyTuple_New(st.n_ptrs);
+    int rc = which == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; i < st.n_ptrs && rc == 0; ++i) {
+      PyObject *index = PyLong_FromSsize_t(i);
+      PyObject *first = index == NULL ? NULL
+                                      : PyDict_SetDefault(firsts, PyList_GET_ITEM(st.pointers, i), index);
+      Py_XDECREF(index);
+      if (first == NULL)
+        rc = -1;
+      else
+        PyTuple_SET_ITEM(which, i, Py_NewRef(first));  /* a borrowed reference, made ours */
     }
-    int rc = PyList_Append(st.key, which);
-    Py_DECREF(which);
+    if (rc == 0)
+      rc = PyList_Append(st.key, which);
+    Py_XDECREF(which);
+    Py_XDECREF(firsts);
     if (rc < 0)
       goto done;
   }

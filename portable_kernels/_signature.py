@@ -2,12 +2,13 @@
 
 ``signature(args, kwargs, current)`` answers ``(key, pointers)``, or None where the call
 cannot replay (a tensor that needs a gradient under grad mode, an argument of another type
-than a tensor, a scalar or a tuple of scalars, a host tensor beside device ones). The key
-holds the selection context (``portable_kernels._context``); per tensor its dtype, shape,
-strides, device index and address modulo 16 (and once, after the first tensor, whether it
-is a CUDA tensor or its device's type); per scalar its type and value; the keyword names; which
-tensors share an address; the current device where ``current`` reads it. ``pointers``: the
-tensors' addresses, in order.
+than a tensor, a scalar, a tuple of scalars or a non-empty list or tuple of tensors, a host
+tensor beside device ones). The key holds the selection context
+(``portable_kernels._context``); per tensor its dtype, shape, strides, device index and
+address modulo 16 (and once, after the first tensor, whether it is a CUDA tensor or its
+device's type); per list of tensors its type and length, then its tensors; per scalar its
+type and value; the keyword names; which tensors share an address; the current device where
+``current`` reads it. ``pointers``: the tensors' addresses, in order (a list's in place).
 
 Two implementations build one key: :func:`python_signature` below, the reference, and
 ``_signature.c``, the same in C, built at first use with Triton's C build helper (the one
@@ -28,13 +29,15 @@ import torch
 
 from . import _context
 
-__all__ = ["SCALARS", "TENSORS", "c_signature", "python_signature", "signature"]
+__all__ = ["SCALARS", "SEQUENCES", "TENSORS", "c_signature", "python_signature", "signature"]
 
 log = logging.getLogger(__name__)
 
 #: Argument classes a signature takes, exactly (a subclass may hash or compare otherwise).
 SCALARS = frozenset({int, float, bool, str, type(None)})
 TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+#: Containers a signature takes when they hold tensors only (non-empty).
+SEQUENCES = frozenset({list, tuple})
 
 
 def python_signature(args: tuple, kwargs: dict,
@@ -47,31 +50,23 @@ def python_signature(args: tuple, kwargs: dict,
     for a in (itertools.chain(args, kwargs.values()) if kwargs else args):
         kind = type(a)
         if kind in TENSORS:
-            if grad and a.requires_grad:
+            first = _add_tensor(a, grad, first, key, pointers)
+            if first is _NONE:
                 return None
-            p = a.data_ptr()
-            # The device's index, not a.device: an int hashes and compares in the lookup
-            # for less than a device object does.
-            index = a.get_device()
-            if index < 0:  # the host, meta or another device without an index
-                index = a.device
-            if first is None:
-                first = index
-                if type(index) is int:
-                    key.append(a.is_cuda or a.device.type)  # once; is_cuda is cheaper
-            elif type(index) is not type(first) or (type(index) is not int
-                                                    and index.type != first.type):
-                # A host tensor beside device ones: its values may steer the host code
-                # (a host read the dispatch mode does not see).
-                return None
-            key.append((a.dtype, a.shape, a.stride(), index, p & 15))
-            pointers.append(p)
         elif kind in SCALARS:
             key.append(kind)
             key.append(a)
         elif kind is tuple and all(type(v) in SCALARS for v in a):
             key.append(tuple(map(type, a)))  # (1, 0) == (1.0, 0) == (True, 0)
             key.append(a)
+        elif kind in SEQUENCES and a and all(type(t) in TENSORS for t in a):
+            # Tensors in a list (grouped_matmul's groups): the list's kind and length, then
+            # each tensor as an argument of its own.
+            key.append((kind, len(a)))
+            for t in a:
+                first = _add_tensor(t, grad, first, key, pointers)
+                if first is _NONE:
+                    return None
         else:
             return None
     if kwargs:
@@ -81,6 +76,34 @@ def python_signature(args: tuple, kwargs: dict,
     if current is not None:
         key.append(current())
     return tuple(key), pointers
+
+
+_NONE = object()  # _add_tensor's answer where the call has no signature
+
+
+def _add_tensor(a: torch.Tensor, grad: bool, first: Any, key: list, pointers: list) -> Any:
+    """Append tensor ``a``'s entry to ``key`` and its address to ``pointers``; answers the
+    first tensor's device index (or device where it has none), or :data:`_NONE`."""
+    if grad and a.requires_grad:
+        return _NONE
+    p = a.data_ptr()
+    # The device's index, not a.device: an int hashes and compares in the lookup for less
+    # than a device object does.
+    index = a.get_device()
+    if index < 0:  # the host, meta or another device without an index
+        index = a.device
+    if first is None:
+        first = index
+        if type(index) is int:
+            key.append(a.is_cuda or a.device.type)  # once; is_cuda is cheaper
+    elif type(index) is not type(first) or (type(index) is not int
+                                            and index.type != first.type):
+        # A host tensor beside device ones: its values may steer the host code (a host
+        # read the dispatch mode does not see).
+        return _NONE
+    key.append((a.dtype, a.shape, a.stride(), index, p & 15))
+    pointers.append(p)
+    return first
 
 
 _lock = threading.Lock()

@@ -370,7 +370,7 @@ def test_repeated_calls_launch_binaries_with_the_same_results(name, device, gen,
 
 
 @pytest.mark.parametrize("name", ["vector_add", "asin", "softmax", "layer_norm", "flash_attn"])
-def test_family_launches_pass_tensors_before_scalars(name, device, gen, monkeypatch):
+def test_family_launches_pass_tensors_before_scalars(name, device, gen, monkeypatch, fresh_host):
     """A tensor among the scalars keeps Triton's JIT launch on every call (its alignment is
     not in the key), so every family launch passes its tensors first (for flash_attn also
     the options' pointers: cu_seqlens, ALiBi slopes and sinks, or their placeholders).
@@ -386,6 +386,10 @@ def test_family_launches_pass_tensors_before_scalars(name, device, gen, monkeypa
         return call_launch(self, grid, args, kwargs)
 
     monkeypatch.setattr(_direct.DirectLaunch, "__call__", record)
+    # Every call on the full path: a signature an earlier test recorded would replay its
+    # binaries without DirectLaunch.
+    monkeypatch.setenv("PK_REPLAY", "0")
+    fresh_host()
     call, _ = _family_call(name, gen, device)
     for _ in range(2):  # a tuned launch's first call goes through the autotuner
         call()

@@ -6,6 +6,7 @@ every call that could take another path."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 
@@ -31,7 +32,7 @@ CASES = [
     ("kv_cache_write", "5x4x16x2x16", torch.float16),
     ("flash_attn", None, torch.float16), ("flash_attn_varlen", "7+3x2x16", torch.float16),
     ("flash_attn_with_kvcache", "2x1x4x2x40x16", torch.float16),
-    ("dropout", "100", torch.float16),
+    ("dropout", "100", torch.float16), ("grouped_matmul", "3x16x24x32", torch.float16),
 ]
 
 
@@ -218,7 +219,9 @@ def test_the_signature_tells_apart_calls_that_may_take_another_path():
     assert key(x, y) != key(x, torch.zeros(9)[1:])  # another address modulo 16
     assert key(x, y) != key(x, torch.zeros(16)[::2])  # other strides
     assert key(x, eps=1.0) != key(x, 1.0)  # keywords by name
-    assert key(x, [y]) is None  # a list: not a signature
+    assert key(x, [1]) is None  # a list of scalars: not a signature
+    assert key(x, [y]) != key(x, (y,)) and key(x, [y]) != key(x, y)  # a list of tensors is
+    assert key(x, [y]) != key(x, [y, y])
     assert key(x, (1, 0)) != key(x, (1.0, 0))  # scalars in tuples by type too
     assert key(x, torch.zeros(8, device="meta")) is None  # tensors on two kinds of device
     w = torch.zeros(8, requires_grad=True)
@@ -497,6 +500,58 @@ def test_a_kernel_with_global_scratch_replays_through_tritons_launcher(cuda_stan
     assert not isinstance(_allocation._allocator.get(), functools.partial)
 
 
+def test_a_table_of_addresses_is_rebuilt_with_the_new_calls(cuda_stand_ins, monkeypatch):  # noqa: F811
+    """A table step (grouped_matmul's device table of its groups' addresses): the replay
+    builds the table again from the recorded values, each address replaced by the new
+    call's (an argument's, an allocation's; a temporary that only the table points at
+    lives until the table's last launch), before the launch that reads it."""
+    monkeypatch.setenv("PK_REPLAY", "direct")
+    launched, built = [], []
+
+    def build(values, device):
+        built.append(list(values))
+        return torch.tensor(values, dtype=torch.int64)
+
+    launch = _direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True,
+                                  binary=lambda kernel, guards: lambda *a: launched.append(a) or True)
+
+    def full(x):
+        out, tmp = torch.empty_like(x), torch.empty(4, dtype=torch.float32)
+        values = [x.data_ptr(), out[2:].data_ptr(), tmp.data_ptr(), 7]  # a view's too
+        table = _replay.table(build, values, x.device, lambda i: i < 3)
+        launch(_grid, (table, out, 8, 0.5), {})
+        return out
+
+    recipe, xs = _recorded_on_stand_ins(full)
+    launched.clear()
+    built.clear()
+    out = recipe((xs[2],), {}, [xs[2].data_ptr()])
+    ((x_ptr, out_ptr, tmp_ptr, seven),) = built
+    assert x_ptr == xs[2].data_ptr() and out_ptr == out.data_ptr() + 4 and seven == 7
+    assert tmp_ptr not in (x_ptr, out_ptr)
+    ((_, _, _, _, table_ptr, launched_out, *_),) = launched
+    assert launched_out == out.data_ptr() and table_ptr != tmp_ptr
+    assert recipe.source.index("v") < recipe.source.index("launches +=")  # built first
+
+
+def test_a_table_with_an_address_the_call_did_not_make_is_not_recorded(cuda_stand_ins,  # noqa: F811
+                                                                         monkeypatch):
+    monkeypatch.setenv("PK_REPLAY", "direct")
+    elsewhere = torch.empty(4)
+    launch = _direct.DirectLaunch(_Jit(), {"BLOCK": 64}, direct=True,
+                                  binary=lambda kernel, guards: lambda *a: True)
+
+    def full(x):
+        out = torch.empty_like(x)
+        table = _replay.table(lambda v, d: torch.tensor(v), [elsewhere.data_ptr()], x.device,
+                              lambda i: True)
+        launch(_grid, (table, out, 8, 0.5), {})
+        return out
+
+    why, _ = _recorded_on_stand_ins(full, replayed=False)
+    assert "neither took nor allocated" in why
+
+
 def test_workspace_shares_bytes_between_allocations_whose_launches_do_not_interleave():
     """(allocation, bytes, first step, last step) -> offsets: a chunk loop's temporaries
     (each used by its own launches only) share one place; one used across them does not."""
@@ -526,12 +581,13 @@ def test_a_replayed_chunk_loop_holds_one_chunk_at_a_time(replaying, device):
             assert torch.equal(handle(hidden, weight, target), want)
     (recipe,) = plugins.host().replays["fused_linear_cross_entropy"].recipes.values()
     assert recipe is not None and recipe.calls >= 1
-    if workspace := re.search(r"^\s*w = _empty_strided\(\((\d+),\)", recipe.source, re.M):
+    names = recipe.run.__globals__  # the constants the source names
+    if workspace := re.search(r"^\s*w = _empty_strided\((_c\d+),", recipe.source, re.M):
         offsets = re.findall(r"^\s*q\d+ = qw(?: \+ (\d+))?$", recipe.source, re.M)
         assert len(offsets) > len(set(offsets)), recipe.source  # chunks at one place
-        assert int(workspace[1]) < rows * 40 * hidden.element_size(), recipe.source
+        (nbytes,) = names[workspace[1]]
+        assert nbytes < rows * 40 * hidden.element_size(), recipe.source
         return
-    names = recipe.run.__globals__  # the constants the source names
     live, chunks, most = set(), 0, 0
     for line in recipe.source.splitlines():
         if made := re.search(r"\b(a\d+) = _empty_strided\((_c\d+),", line):
@@ -558,15 +614,17 @@ def test_signatures_seen_once_make_room_for_new_ones(monkeypatch):
     assert replays.recipes.get(key) is not None, replays.why
 
 
-def test_a_plan_taken_inside_a_recorded_call_must_replay_too(monkeypatch, device):
+def test_a_plan_taken_inside_a_recorded_call_must_replay_too(monkeypatch, fresh_host, device):
     """A family that launches another's plan (the fused loss's products) is recorded only
     where that plan's variant replays as well."""
     monkeypatch.setenv("PK_REPLAY", "1")
+    variants = fresh_host().registry.variants["matmul"]
+    for name, variant in list(variants.items()):  # none of matmul's variants opts in here
+        monkeypatch.setitem(variants, name, dataclasses.replace(variant, replay=False))
     replays = _replay.Replays("test")
 
     def nested(plan, x):
-        # grouped_matmul's lists never replay, so its variants do not opt in.
-        pk.get_kernel("grouped_matmul").plan([x.view(2, 2)], [x.view(2, 2)])
+        pk.get_kernel("matmul").plan(x.view(2, 2), x.view(2, 2))
         return torch.empty_like(x)
 
     key, _ = _record(replays, nested, torch.zeros(4, device=device))
@@ -622,3 +680,22 @@ def test_autograd_stages_replay_with_the_full_paths_gradients(replaying, monkeyp
     # Forward and backward, each recorded at its second call and replayed from the third.
     assert len(replayed) == 2, why
     assert all(r.calls >= calls - 3 for r in replayed), [r.source for r in replayed]
+
+
+def test_the_call_that_records_allocates_nothing_of_its_own(monkeypatch, fresh_host, device):
+    """A dispatch mode that counts a call's allocations (as users and our tests do) sees
+    none of the recording's own: the empty tensor whose ``new_empty_strided`` replays
+    allocate through is made where no mode sees it."""
+    from allocations import Outputs
+
+    monkeypatch.setenv("PK_REPLAY", "1")
+    fresh_host()
+    monkeypatch.setattr(_replay, "_allocators", {})  # the first recipe of a dtype makes one
+    handle = pk.get_kernel("vector_add")
+    x = torch.randn(100, device=device).half()
+    handle(x, x.clone())  # compiles; the second call records
+    with Outputs() as seen:
+        handle(x, x.clone())
+    (recipe,) = plugins.host().replays["vector_add"].recipes.values()
+    assert recipe is not None, plugins.host().replays["vector_add"].why
+    assert seen.new(shape=(0,)) == 0  # the allocator's empty tensor, unseen

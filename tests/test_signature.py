@@ -34,8 +34,17 @@ def _cases(device: torch.device) -> list:
         ((meta, meta), {}),  # a device without an index
         ((x, host), {}),  # a host tensor beside another device's (None on GPUs)
         ((host, meta), {}),  # two devices without an index, of two types: None
-        ((x, [1, 2]), {}),  # a list: None
+        ((x, [1, 2]), {}),  # a list of scalars: None
         ((x, (1, [2])), {}),  # a tuple holding a list: None
+        (([x, y], [y, x[1:]]), {}),  # lists of tensors (grouped_matmul's); y twice
+        (((x, y), [half]), {}),  # a tuple of tensors
+        (([x] * 20, [y] * 20), {}),  # more addresses than the C code compares pairwise
+        (([torch.randn(3, device=device) for _ in range(20)],), {}),  # 20, none shared
+        (([x, 1],), {}),  # a list mixing tensors and scalars: None
+        (((x, 1),), {}),  # so a tuple: None
+        (([],), {}),  # an empty list: None
+        (([x, wants],), {}),  # a list with a gradient in play (grad mode on: None)
+        (([x, host],), {}),  # a host tensor in a list beside another device's
         ((x, torch.float16), {}),  # a dtype: None
         ((), {}),
         ((x, 1), {"out": y}),
@@ -55,8 +64,7 @@ def test_c_and_python_keys_are_equal(device, grad, forced):
         if want is not None:
             key, pointers = got
             assert hash(key) == hash(want[0]), i
-            assert pointers == [a.data_ptr() for a in (*args, *kwargs.values())
-                                if isinstance(a, torch.Tensor)], i
+            assert pointers == [a.data_ptr() for a in _replay._tensors(args, kwargs)], i
 
 
 def test_keys_tell_apart_what_selects_another_path(device):
@@ -71,7 +79,8 @@ def test_keys_tell_apart_what_selects_another_path(device):
     keys = [key(*base), key(x[:32].half(), x[32:]), key(x[:16], x[32:48]),
             key(x[:32].view(4, 8), x[32:]), key(x[:32].view(8, 4).t(), x[32:]),
             key(x[1:33], x[32:]), key(*base, 1), key(*base, 1.0), key(*base, True),
-            key(*base, a=1), key(*base, b=1), key(x[:32], x[:32])]
+            key(*base, a=1), key(*base, b=1), key(x[:32], x[:32]), key(list(base)),
+            key(tuple(base)), key([x[:32]], [x[32:]]), key([x[:32], x[:32]])]
     assert len(set(keys)) == len(keys)
     assert key(*base) == key(x[:32].clone(), x[32:].clone())  # only addresses differ
 
@@ -138,7 +147,9 @@ def test_c_and_python_keys_are_equal_on_indexed_devices(monkeypatch):
                  ((a, _OnDevice(1, 2**41)), {}),  # two indices: both in the key
                  ((_OnDevice(0, 64, kind="xpu"), a), {}),
                  ((_OnDevice(0, 64, requires_grad=True),), {}),
-                 ((a, torch.zeros(2)), {})]  # a host tensor (not a TENSORS class here): None
+                 ((a, torch.zeros(2)), {}),  # a host tensor (not a TENSORS class here): None
+                 (([a, b], [b, _OnDevice(0, 2**40 + 512)]), {}),  # lists of them
+                 (([a] * 18,), {})]  # shared addresses past the pairwise test
         for i, (args, kwargs) in enumerate(cases):
             for grad in (True, False):
                 with torch.set_grad_enabled(grad):

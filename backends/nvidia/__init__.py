@@ -176,7 +176,7 @@ def pk_register_variants(registry):
         "grouped_matmul", "nvidia.tma", grouped_matmul.launch,
         requires={"tensor_descriptor"}, priority=_tma_priority,
         accepts=grouped_matmul.tma_accepts, switches={"TMA": True, "UPCAST": False},
-        configs=tuning.grouped_matmul_tma,
+        configs=tuning.grouped_matmul_tma, replay=True,
         description="persistent grid over every group's tiles; device-side tensor "
         "descriptors per group (tl.make_tensor_descriptor, scratch from an allocator)"))
     hopper = dict(
