@@ -15,7 +15,10 @@ Three ways to compute ``vector_add`` on the same small tensors (so launch cost d
 kernel whose launcher does nothing, so it is measured without any launch noise. Then the
 pieces a replayed call (``portable_kernels/_replay.py``) is left with, beside torch's own
 add: the handle with its signature keyed in Python instead of C (``_signature.py``), each
-signature alone, and the output's allocation two ways.
+signature alone, and the output's allocation two ways; and on a GPU the recipe alone (its
+allocation and launch) through the C launcher and through Triton's, beside torch's
+operator, for vector_add, asin, softmax and flash_attn, interleaved round by round (drift between separately timed rows moves them by more than the
+launchers differ).
 
     python bench/dispatch_overhead.py [--quick] [--device cuda] [--iters 20000] [--json PATH]
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import portable_kernels as pk  # first: chooses the interpreter before triton is imported
 
+import os
 import statistics
 import time
 from typing import NamedTuple
@@ -37,6 +41,8 @@ from portable_kernels import KernelSpec, Variant, _signature, dispatch, hookimpl
 from portable_kernels.kernels import vector_add
 
 import _common  # bench/, beside this script
+
+F = torch.nn.functional
 
 
 class _Problem(NamedTuple):
@@ -65,6 +71,65 @@ def _per_call_ns(fn, iters: int, rounds: int, sync) -> float:
         sync()
         samples.append((time.perf_counter_ns() - t0) / iters)
     return statistics.median(samples)
+
+
+def _recipe(handle, args: tuple, kwargs: dict, c_launcher: bool):
+    """The replay recipe of ``handle(*args, **kwargs)`` on plans built afresh with the
+    backend's C launcher on or off (``PK_C_LAUNCHER``), and the call's pointers."""
+    before = os.environ.get("PK_C_LAUNCHER")
+    os.environ["PK_C_LAUNCHER"] = "1" if c_launcher else "0"
+    try:
+        plugins.host().clear_caches()
+        for _ in range(5):  # compile, record, replay
+            handle(*args, **kwargs)
+        replays = plugins.host().replays[handle.name]
+        key, pointers = replays.key(args, kwargs, replays.current)
+        recipe = replays.recipes.get(key)
+        if recipe is None:
+            raise SystemExit(f"{handle.name} did not replay: {replays.why.get(key, '?')}")
+        return recipe, pointers
+    finally:
+        if before is None:
+            os.environ.pop("PK_C_LAUNCHER", None)
+        else:
+            os.environ["PK_C_LAUNCHER"] = before
+        plugins.host().clear_caches()
+
+
+def _recipe_cases(x, y) -> dict:
+    """Small calls whose replay is one allocation and one launch (flash_attn: two), each
+    with torch's operator for it."""
+    cases = {"vector_add": ((x, y), {}, lambda: torch.add(x, y))}
+    if x.is_cuda:
+        rows = torch.randn(8, 4096, device=x.device, dtype=torch.bfloat16)
+        q, k, v = (torch.randn(1, 8, 512, 64, device=x.device, dtype=torch.float16)
+                   for _ in range(3))
+        cases["asin 8x4096 bf16"] = ((rows,), {}, lambda: torch.asin(rows))
+        cases["softmax 8x4096 bf16"] = ((rows,), {}, lambda: torch.softmax(rows, -1))
+        cases["flash_attn 1x8x512x64 causal fp16"] = (
+            (q, k, v), {"causal": True},
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    return cases
+
+
+def _recipes_paired(x, y, iters: int, rounds: int, sync) -> dict:
+    """Each case's replayed call without its signature and handle (the recipe: allocation
+    and launch), through the C launcher and through Triton's, and torch's operator:
+    interleaved within each round, so that the host's drift moves all three alike."""
+    out = {}
+    for case, (args, kwargs, reference) in _recipe_cases(x, y).items():
+        handle = pk.get_kernel(case.split()[0])
+        (c, pointers), (t, _) = (_recipe(handle, args, kwargs, on) for on in (True, False))
+        fns = {f"{case}: recipe alone, C launcher": lambda: c.run(args, kwargs, pointers),
+               f"{case}: recipe alone, Triton's launcher": lambda: t.run(args, kwargs, pointers),
+               f"{case}: torch, beside the recipes": reference}
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    samples[name].append(_per_call_ns(fn, iters, 1, sync))
+        out.update({name: statistics.median(v) for name, v in samples.items()})
+    return out
 
 
 def main() -> None:
@@ -125,6 +190,8 @@ def main() -> None:
                                                            args.rounds, sync)
         replays.key = key
     rows["torch.add"] = _per_call_ns(lambda: torch.add(x, y), args.iters, args.rounds, sync)
+    if replays is not None and replays.active:
+        rows.update(_recipes_paired(x, y, args.iters, args.rounds, sync))
     c_key = _signature.c_signature()
     if c_key is not None:
         rows["signature in C"] = _per_call_ns(lambda: c_key((x, y), {}, None), args.iters,
@@ -147,13 +214,14 @@ def main() -> None:
     info = dispatch.device_info(device)
     print(f"device {info.name} · torch {torch.__version__} · triton {triton.__version__} · "
           f"vector_add of {args.numel} fp32, median of {args.rounds} rounds")
-    print(f"{'path':34s} {'µs/call':>9s}")
+    width = max(34, *map(len, rows))
+    print(f"{'path':{width}s} {'µs/call':>9s}")
     for name, ns in rows.items():
-        print(f"{name:34s} {ns / 1000:9.2f}")
+        print(f"{name:{width}s} {ns / 1000:9.2f}")
     added = (rows["handle"] - rows["launcher"]) / 1000
-    print(f"{'dispatch added (handle - launcher)':34s} {added:9.2f}")
-    print(f"{'handle over raw launch + alloc':34s} {(rows['handle'] - rows['raw + output allocation']) / 1000:9.2f}")
-    print(f"{'direct launch saves (raw - direct)':34s} {(rows['raw'] - rows['raw, direct launch']) / 1000:9.2f}"
+    print(f"{'dispatch added (handle - launcher)':{width}s} {added:9.2f}")
+    print(f"{'handle over raw launch + alloc':{width}s} {(rows['handle'] - rows['raw + output allocation']) / 1000:9.2f}")
+    print(f"{'direct launch saves (raw - direct)':{width}s} {(rows['raw'] - rows['raw, direct launch']) / 1000:9.2f}"
           f"  ({direct.launches} direct launches)")
     table = [{"path": k, "us_per_call": v / 1000} for k, v in rows.items()]
     _common.write(args.json, table, {"device": info.to_dict(), "torch": torch.__version__,

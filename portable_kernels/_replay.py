@@ -19,20 +19,22 @@ when all it did was
 - allocate (``torch.empty``/``empty_like``/``empty_strided``/``zeros``...),
 - make views of its arguments or of those allocations,
 - launch compiled binaries through direct launches (or, where replay is forced with
-  ``PK_REPLAY=1``, through Triton's JIT launch: Triton's interpreter, other vendors), and
-- return those tensors (in tuples) or constants.
+  ``PK_REPLAY=1``, through Triton's JIT launch: Triton's interpreter, other vendors),
+- build device tables of addresses and sizes through :func:`table` (grouped_matmul's), and
+- return those tensors (in tuples or lists) or constants.
 
 Any other operator (a copy of a non-contiguous input, a value read on the host, a fill), a
 launch through another path (an autotuner still timing), a kernel that takes Triton's
 profile scratch or a host tensor descriptor, two arguments that are one tensor, or a
 gradient in play: the call is not recorded and its signature keeps the full path. The
 replay is generated straight-line Python (``Recipe.source``): allocate, read the current
-stream, call each binary's launcher with the new addresses (plus the recorded byte offset of
-a view) and the recorded scalars (a per-call argument's value read from each call, where a
-launch takes it at a runtime position), build the result. Memory is held no longer than the full
-path holds it: an allocation is made before its first launch and dropped after its last, and
-temporaries carved from one workspace share bytes where their launches do not interleave
-(a chunk loop's chunks).
+stream, rebuild each table with the new addresses, call each binary's launcher with the
+new addresses (plus the recorded byte offset of a view) and the recorded scalars (a
+per-call argument's value read from each call, where a launch takes it at a runtime
+position), build the result. Memory is held no longer than the full path holds it: an
+allocation is made before its first launch and dropped after its last (one a table points
+at lives as long as the table), and temporaries carved from one workspace share bytes
+where their launches do not interleave (a chunk loop's chunks).
 
 Families opt in per variant (``Variant.replay``): the flag says the launcher's behaviour is
 a function of the signature alone (no state kept between calls, no randomness drawn on the

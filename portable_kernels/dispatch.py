@@ -348,8 +348,8 @@ class KernelHandle:
         replays = self._replays
         if replays is not None and replays.active:
             # A signature seen before replays its recorded allocations and launches. (A call
-            # with a signature needs no gradient: none is taken where a tensor argument
-            # requires one under grad mode, nor for list arguments.)
+            # with a signature needs no gradient: none is taken where a tensor argument, or
+            # one in a list, requires one under grad mode.)
             # The key straight from its C builder where nothing records and no argument is
             # new on every call (a Python frame less on the path every replay takes).
             if _replay.RECORDING or replays.per_call:
