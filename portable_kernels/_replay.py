@@ -41,6 +41,10 @@ a function of the signature alone (no state kept between calls, no randomness dr
 host, no launch outside the plan). ``PK_CHECK_VALUES=1`` is honoured: a recipe whose call
 consulted it declines while it is set, so the value checks run.
 
+A handle whose calls stop repeating (a mixture-of-experts layer's group sizes change every
+step) rests: after :data:`MISS_WINDOW` calls that computed a signature and replayed none,
+its next :data:`REST` calls take the full path without one.
+
 ``PK_REPLAY=direct`` replays direct launches only (NVIDIA GPUs, see
 ``_direct.supported``), the default (:data:`DEFAULT`); ``PK_REPLAY=1`` also records JIT
 launches (tests use it on the CPU interpreter, where nothing is gained but the recording is
@@ -79,6 +83,12 @@ ATTEMPTS = 3
 DECLINED = object()
 #: What ``Replays.recipes.get(key, UNSEEN)`` answers for a signature without a recipe yet.
 UNSEEN = object()
+#: A handle whose last MISS_WINDOW calls with a signature computed replayed none (calls
+#: that never repeat, as a mixture-of-experts layer's group sizes, or that never record)
+#: rests: its next REST calls take the full path without computing a signature, which for
+#: a list of 64 groups costs about a tenth of the call.
+MISS_WINDOW = 64
+REST = 1024
 
 _SCALARS = _signature.SCALARS
 
@@ -781,7 +791,7 @@ class Replays:
     plugin host; :meth:`clear` forgets them (``PluginHost.clear_caches``)."""
 
     __slots__ = ("kernel", "mode", "active", "recipes", "tries", "why", "current", "per_call",
-                 "key")
+                 "key", "resting", "misses", "hits")
 
     def __init__(self, kernel: str, per_call: dict[int, str] | None = None) -> None:
         self.kernel = kernel
@@ -802,6 +812,9 @@ class Replays:
         self.recipes.clear()
         self.tries.clear()
         self.why.clear()
+        self.resting = 0  # calls left to take the full path without a signature
+        self.misses = 0  # calls that did not replay since the window began
+        self.hits = 0  # the recipes' replays when it began
         # With several GPUs a launch's device is the current one: part of the signature.
         self.current = None
         if torch.cuda.is_available() and torch.cuda.device_count() > 1:
@@ -819,6 +832,17 @@ class Replays:
         if self.per_call:
             args, kwargs = self._widths(args, kwargs)
         return self.key(args, kwargs, self.current)
+
+    def missed(self) -> None:
+        """Count a call that computed its signature and did not replay; after
+        :data:`MISS_WINDOW` of them with no replay between, rest (:data:`REST`)."""
+        self.misses += 1
+        if self.misses >= MISS_WINDOW:
+            # Recipes count their own replays: their sum moved unless none ran.
+            hits = sum(recipe.calls for recipe in self.recipes.values() if recipe is not None)
+            if hits == self.hits:
+                self.resting = REST
+            self.hits, self.misses = hits, 0
 
     def _widths(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with each per-call integer in [0, 2**63) replaced by its

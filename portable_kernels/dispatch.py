@@ -347,24 +347,31 @@ class KernelHandle:
             self._bind()
         replays = self._replays
         if replays is not None and replays.active:
-            # A signature seen before replays its recorded allocations and launches. (A call
-            # with a signature needs no gradient: none is taken where a tensor argument, or
-            # one in a list, requires one under grad mode.)
-            # The key straight from its C builder where nothing records and no argument is
-            # new on every call (a Python frame less on the path every replay takes).
-            if _replay.RECORDING or replays.per_call:
-                signature = replays.signature(args, kwargs)
+            if replays.resting:  # its calls stopped repeating: no signature for a while
+                replays.resting -= 1
             else:
-                signature = replays.key(args, kwargs, replays.current)
-            if signature is not None:
-                recipe = replays.recipes.get(signature[0], _replay.UNSEEN)
-                if recipe is _replay.UNSEEN:
-                    return replays.call(signature[0], self._launch, args, kwargs)
-                if recipe is not None:
-                    out = recipe.run(args, kwargs, signature[1])
-                    if out is not _replay.DECLINED:
-                        return out
-                return self._launch(args, kwargs)
+                # A signature seen before replays its recorded allocations and launches. (A
+                # call with a signature needs no gradient: none is taken where a tensor
+                # argument, or one in a list, requires one under grad mode.)
+                # The key straight from its C builder where nothing records and no argument
+                # is new on every call (a Python frame less on the path every replay takes).
+                if _replay.RECORDING or replays.per_call:
+                    signature = replays.signature(args, kwargs)
+                else:
+                    signature = replays.key(args, kwargs, replays.current)
+                if signature is None:  # a gradient in play, an argument it cannot key
+                    replays.missed()
+                else:
+                    recipe = replays.recipes.get(signature[0], _replay.UNSEEN)
+                    if recipe is _replay.UNSEEN:
+                        replays.missed()
+                        return replays.call(signature[0], self._launch, args, kwargs)
+                    if recipe is not None:
+                        out = recipe.run(args, kwargs, signature[1])
+                        if out is not _replay.DECLINED:
+                            return out
+                    replays.missed()
+                    return self._launch(args, kwargs)
         if self._grad_op is not None and torch.is_grad_enabled() and _wants_grad(args, kwargs):
             # A family whose launcher returns no grad_fn: its operator carries the gradient
             # (inside it grad mode is off, so this does not recurse).

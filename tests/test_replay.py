@@ -699,3 +699,44 @@ def test_the_call_that_records_allocates_nothing_of_its_own(monkeypatch, fresh_h
     (recipe,) = plugins.host().replays["vector_add"].recipes.values()
     assert recipe is not None, plugins.host().replays["vector_add"].why
     assert seen.new(shape=(0,)) == 0  # the allocator's empty tensor, unseen
+
+
+def test_a_handle_whose_calls_never_repeat_rests(monkeypatch, fresh_host, device):
+    """Calls that never repeat (a mixture-of-experts layer's group sizes) would each pay for
+    a signature that finds nothing: after MISS_WINDOW of them with no replay, the handle's
+    next REST calls take the full path without one; then it keys calls again."""
+    monkeypatch.setenv("PK_REPLAY", "1")
+    monkeypatch.setattr(_replay, "MISS_WINDOW", 4)
+    monkeypatch.setattr(_replay, "REST", 3)
+    fresh_host()
+    handle = pk.get_kernel("vector_add")
+    pairs = [(torch.randn(n, device=device), torch.randn(n, device=device)) for n in range(10, 18)]
+    for x, y in pairs[:4]:  # four new signatures
+        handle(x, y)
+    replays = plugins.host().replays["vector_add"]
+    assert replays.resting == 3
+    keyed, key = [], replays.key
+    monkeypatch.setattr(replays, "key", lambda *a: keyed.append(a) or key(*a))
+    for x, y in pairs[4:7]:
+        torch.testing.assert_close(handle(x, y), x + y)  # the full path computes them
+    assert not keyed and replays.resting == 0
+    handle(*pairs[7])
+    assert len(keyed) == 1
+
+
+def test_a_replay_in_the_window_keeps_a_handle_keying(monkeypatch, fresh_host, device):
+    monkeypatch.setenv("PK_REPLAY", "1")
+    monkeypatch.setattr(_replay, "MISS_WINDOW", 4)
+    monkeypatch.setattr(_replay, "REST", 3)
+    fresh_host()
+    handle = pk.get_kernel("vector_add")
+    x, y = torch.randn(64, device=device), torch.randn(64, device=device)
+    for _ in range(3):  # seen, recorded, replayed
+        handle(x, y)
+    replays = plugins.host().replays["vector_add"]
+    for n in (10, 11):  # with the first two, four calls missed: one replay among them
+        handle(torch.randn(n, device=device), torch.randn(n, device=device))
+    assert replays.resting == 0
+    for n in (12, 13, 14, 15):  # four misses and no replay
+        handle(torch.randn(n, device=device), torch.randn(n, device=device))
+    assert replays.resting == 3
