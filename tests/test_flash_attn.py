@@ -292,3 +292,42 @@ def test_backend_variants_do_not_win_elsewhere(device):
     with pk.emulate("h200"):
         assert pk.explain(NAME).variant not in ("iluvatar.v1", "iluvatar.v2", "amd.rocm")
 
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_varlen"])
+def test_an_lse_no_one_asked_for_goes_to_scratch(name, device, gen, monkeypatch):
+    """A forward without a gradient and without ``return_lse`` writes its LSE to the
+    stream's kept scratch (an inference call allocates its output alone); asked for, or
+    saved for a backward, the LSE is a tensor of its own. The outputs are the same bits."""
+    from portable_kernels.kernels import _counters
+
+    scratch = []
+
+    def kept_scratch(dev, n):
+        scratch.append(n)
+        return torch.full((n + 5,), float("nan"), device=dev)
+
+    monkeypatch.setattr(_counters, "kept_scratch", kept_scratch)
+    handle = pk.get_kernel(name)
+    if name == "flash_attn":
+        q, k, v = (torch.randn(2, 3, 9, 16, generator=gen).to(device) for _ in range(3))
+        args, rows = (q, k, v), 2 * 3 * 9
+    else:
+        q, k, v = (torch.randn(11, 3, 16, generator=gen).to(device) for _ in range(3))
+        cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=device)
+        args, rows = (q, k, v, cu, cu, 7, 7), 3 * 11
+    with _generic(name):
+        plain = handle(*args, causal=True)
+        assert scratch == [rows]
+        out, lse = handle(*args, causal=True, return_lse=True)
+        assert scratch == [rows] and not lse.isnan().any()
+        assert torch.equal(plain, out)
+        leaves = [t.detach().requires_grad_() for t in args[:3]]
+        handle(*leaves, *args[3:], causal=True).sum().backward()
+        assert scratch == [rows] and all(t.grad is not None for t in leaves)
+
+
+def _generic(name: str):
+    """The family's Triton kernels (``_forward``): a backend's own forward stages keep
+    their LSE."""
+    return pk.use_variant(**{name: "generic"})

@@ -125,7 +125,7 @@ import triton.language as tl
 
 from .. import _replay
 from ..registry import KernelSpec, Variant
-from . import _attn_mods, _host
+from . import _attn_mods, _counters, _host
 
 NAME = "flash_attn"
 
@@ -1279,15 +1279,23 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def _outputs(q: torch.Tensor, mods: Mods) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(q: torch.Tensor, mods: Mods,
+             keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """New ``(out, lse)`` for ``q``: (B, H, Nq, D) (:func:`output_like`) and (B, H, Nq); for
     a packed batch ``out`` is a (total, H, D) tensor seen as q's (1, H, total, D) view,
-    ``lse`` (H, total)."""
+    ``lse`` (H, total). Without ``keep_lse`` (nothing will read it) the LSE is a view of
+    the stream's kept scratch (``_counters.kept_scratch``): an inference call's replay
+    then allocates its output alone."""
     b, h, n_q, d = q.shape
+    shape = (h, n_q) if mods.varlen else (b, h, n_q)
+    if keep_lse:
+        lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    else:
+        lse = _counters.kept_scratch(q.device, math.prod(shape))[:math.prod(shape)].view(shape)
     if mods.varlen:
         out = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
-        return out, torch.empty((h, n_q), dtype=torch.float32, device=q.device)
-    return output_like(q), torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+        return out, lse
+    return output_like(q), lse
 
 
 def _no_keys_lse(lse: torch.Tensor, mods: Mods) -> torch.Tensor:
@@ -1299,14 +1307,15 @@ def _no_keys_lse(lse: torch.Tensor, mods: Mods) -> torch.Tensor:
                      else sinks.float()[None, :, None].expand_as(lse))
 
 
-def _forward(plan, q, k, v, causal: bool, scale: float,
-             mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(plan, q, k, v, causal: bool, scale: float, mods: Mods | None = None,
+             keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Nq, D) in q's dtype, lse fp32 (B, H, Nq)). With ``mods`` of a packed
-    batch, q, k and v are (1, H, total, D) views and so is ``out``; lse is (H, total_q)."""
+    batch, q, k and v are (1, H, total, D) views and so is ``out``; lse is (H, total_q).
+    Without ``keep_lse`` the LSE returned is scratch the next call may overwrite."""
     mods = _mods(causal) if mods is None else mods
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    out, lse = _outputs(q, mods)
+    out, lse = _outputs(q, mods, keep_lse)
     if out.numel() == 0:
         return out, lse
     if n_k == 0:  # no keys: SDPA's math backend returns zeros
@@ -1538,7 +1547,11 @@ def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool 
                                     or (sinks is not None and sinks.requires_grad)):
         out, lse = _FlashAttnFunction.call(plan, q, k, v, sinks, causal, scale, mods)
     else:
-        out, lse = stages(plan).forward(plan, q, k, v, causal, scale, mods)
+        forward = stages(plan).forward
+        if forward is _forward:  # an LSE no one asked for goes to scratch
+            out, lse = _forward(plan, q, k, v, causal, scale, mods, return_lse)
+        else:
+            out, lse = forward(plan, q, k, v, causal, scale, mods)
     return (out, lse) if return_lse else out
 
 
