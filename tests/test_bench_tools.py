@@ -38,9 +38,10 @@ KEPT = ["layers", "matmul", "grouped_matmul", "flash_attn", "flash_attn_memory",
         "dispatch_overhead"]
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+def _run(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
 
 
 # Runs each (script, args) of a JSON list on stdin as ``python bench/script.py args`` would
@@ -145,6 +146,18 @@ def test_dispatch_overhead_runs_here_and_writes_its_results(tmp_path, device):
     saved = json.loads((tmp_path / "dispatch.json").read_text())
     assert {r["path"] for r in saved["rows"]} >= {"handle", "launcher", "raw"}
     assert (tmp_path / "dispatch.md").read_text().startswith("| path |")
+
+
+def test_dispatch_overheads_paired_recipe_rows_run_here(device):
+    """The recipes alone through each launcher, beside torch's operator: recorded here too
+    where replays are forced (``PK_REPLAY=1``; on the interpreter both launchers are
+    Triton's JIT, so only that the rows run is checked)."""
+    proc = _run("dispatch_overhead", "--quick", "--device", str(device), "--numel", "64",
+                env={"PK_REPLAY": "1"})
+    assert proc.returncode == 0, proc.stderr
+    for row in ("recipe alone, C launcher", "recipe alone, Triton's launcher",
+                "torch, beside the recipes"):
+        assert f"vector_add: {row}" in proc.stdout, proc.stdout
 
 
 def test_set_overrides_a_kernel_modules_constant(monkeypatch):
