@@ -138,26 +138,19 @@ def test_every_bench_takes_the_shared_options_then_asks_for_a_gpu(script, comman
 
 def test_dispatch_overhead_runs_here_and_writes_its_results(tmp_path, device):
     """The one bench that also runs on the interpreter (the dispatch cost is host time); on
-    the suite's device (a GPU machine runs no CPU tensors without the interpreter)."""
+    the suite's device (a GPU machine runs no CPU tensors without the interpreter). With
+    replays forced (``PK_REPLAY=1``) its paired rows, the recipes alone through each
+    launcher beside torch's operator, run here too (on the interpreter both launchers are
+    Triton's JIT: only that they run is checked)."""
     proc = _run("dispatch_overhead", "--quick", "--device", str(device), "--numel", "64",
-                "--json", str(tmp_path / "dispatch.json"))
+                "--json", str(tmp_path / "dispatch.json"), env={"PK_REPLAY": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "dispatch added (handle - launcher)" in proc.stdout
     saved = json.loads((tmp_path / "dispatch.json").read_text())
-    assert {r["path"] for r in saved["rows"]} >= {"handle", "launcher", "raw"}
+    assert {r["path"] for r in saved["rows"]} >= {
+        "handle", "launcher", "raw", "vector_add: recipe alone, C launcher",
+        "vector_add: recipe alone, Triton's launcher", "vector_add: torch, beside the recipes"}
     assert (tmp_path / "dispatch.md").read_text().startswith("| path |")
-
-
-def test_dispatch_overheads_paired_recipe_rows_run_here(device):
-    """The recipes alone through each launcher, beside torch's operator: recorded here too
-    where replays are forced (``PK_REPLAY=1``; on the interpreter both launchers are
-    Triton's JIT, so only that the rows run is checked)."""
-    proc = _run("dispatch_overhead", "--quick", "--device", str(device), "--numel", "64",
-                env={"PK_REPLAY": "1"})
-    assert proc.returncode == 0, proc.stderr
-    for row in ("recipe alone, C launcher", "recipe alone, Triton's launcher",
-                "torch, beside the recipes"):
-        assert f"vector_add: {row}" in proc.stdout, proc.stdout
 
 
 def test_set_overrides_a_kernel_modules_constant(monkeypatch):
