@@ -825,8 +825,8 @@ class Replays:
 
     def signature(self, args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
         """``(key, pointers)`` of a call, or None where it cannot replay (a gradient in
-        play, an argument of another type than a tensor, a scalar or a tuple of them):
-        ``portable_kernels._signature``."""
+        play, an argument of another type than a tensor, a scalar, a tuple of scalars or a
+        list of tensors): ``portable_kernels._signature``."""
         if RECORDING and recorder() is not None:
             return None  # a call inside a recorded one: its launches belong to that recipe
         if self.per_call:

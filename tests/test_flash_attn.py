@@ -331,3 +331,20 @@ def _generic(name: str):
     """The family's Triton kernels (``_forward``): a backend's own forward stages keep
     their LSE."""
     return pk.use_variant(**{name: "generic"})
+
+
+def test_a_backends_forward_stage_passes_keep_lse_on(device, gen, monkeypatch):
+    """The Stages contract carries ``keep_lse``: the Gluon stages hand a call their kernels
+    do not take (here a window) to the family's forward with it."""
+    from portable_kernels.kernels import _counters
+    from portable_kernels_backends.nvidia.gluon import flash_attn as gluon_stages
+
+    asked = []
+    monkeypatch.setattr(_counters, "kept_scratch",
+                        lambda dev, n: asked.append(n) or torch.empty(n, device=dev))
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen).to(device) for _ in range(3))
+    mods = fa.dense_mods(q, True, window_size=(3, 0))
+    plan = _plan(q, k, v)
+    want, _ = fa._forward(plan, q, k, v, True, 0.25, mods)
+    got, _ = gluon_stages.STAGES.forward(plan, q, k, v, True, 0.25, mods, False)
+    assert asked == [2 * 9] and torch.equal(got, want)

@@ -1291,7 +1291,8 @@ def _outputs(q: torch.Tensor, mods: Mods,
     if keep_lse:
         lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     else:
-        lse = _counters.kept_scratch(q.device, math.prod(shape))[:math.prod(shape)].view(shape)
+        n = math.prod(shape)
+        lse = _counters.kept_scratch(q.device, n)[:n].view(shape)
     if mods.varlen:
         out = torch.empty((n_q, h, d), dtype=q.dtype, device=q.device).transpose(0, 1)[None]
         return out, lse
@@ -1546,20 +1547,17 @@ def run(plan, q, k, v, causal: bool, scale: float, mods: Mods, return_lse: bool 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
         out, lse = _FlashAttnFunction.call(plan, q, k, v, sinks, causal, scale, mods)
-    else:
-        forward = stages(plan).forward
-        if forward is _forward:  # an LSE no one asked for goes to scratch
-            out, lse = _forward(plan, q, k, v, causal, scale, mods, return_lse)
-        else:
-            out, lse = forward(plan, q, k, v, causal, scale, mods)
+    else:  # an LSE no one asks for may go to scratch (keep_lse)
+        out, lse = stages(plan).forward(plan, q, k, v, causal, scale, mods, return_lse)
     return (out, lse) if return_lse else out
 
 
 class Stages(NamedTuple):
     """A variant's forward and backward, with :func:`_forward`'s and :func:`_backward`'s
-    signatures and contract: ``forward`` returns ``(out, lse)``, ``backward`` takes them
-    with the incoming gradient and returns ``(dq, dk, dv)``, and with ``return_delta`` also
-    ``delta`` = rowsum(dO ∘ O) in the LSE's layout (the sinks' gradient reads it)."""
+    signatures and contract: ``forward`` returns ``(out, lse)`` (with ``keep_lse`` False
+    the LSE may be scratch: no caller reads it), ``backward`` takes them with the incoming
+    gradient and returns ``(dq, dk, dv)``, and with ``return_delta`` also ``delta`` =
+    rowsum(dO ∘ O) in the LSE's layout (the sinks' gradient reads it)."""
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
 

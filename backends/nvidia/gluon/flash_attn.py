@@ -60,15 +60,16 @@ def accepts(problem: family.Problem, device: DeviceInfo) -> str | None:
     return keys_issue(problem.head_dim, problem.keys) or family.tma_accepts(problem, device)
 
 
-def forward(plan, q, k, v, causal: bool, scale: float, mods=None):
-    """``family._forward``'s contract, through the Gluon forward where it applies."""
+def forward(plan, q, k, v, causal: bool, scale: float, mods=None, keep_lse: bool = True):
+    """``family._forward``'s contract, through the Gluon forward where it applies (which
+    always keeps its LSE: its calls are not replayed, so scratch would save nothing)."""
     mods = family._mods(causal) if mods is None else mods
     if k.shape[2] and q.numel() and mods.plain:
         # It allocates its own outputs (one torch.empty is 3-6 µs of an eager call's host
         # time on the H200's host).
         plan.cached((family.NAME, "gluon forward tile"), kernels.tile)
         return kernels.forward(q, k, v, causal, scale, plan)
-    return family._forward(plan, q, k, v, causal, scale, mods)
+    return family._forward(plan, q, k, v, causal, scale, mods, keep_lse)
 
 
 def backward(plan, do, q, k, v, out, lse, causal: bool, scale: float, mods=None,
