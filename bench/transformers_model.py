@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="with --patched: print each step's N costliest GPU kernels")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --patched: each step's GPU time by kind of kernel (matrix "
+                        "products, attention, the rest) and the step time a patch could "
+                        "reach at best")
     p.add_argument("--memory-trace", type=int, default=0, metavar="N",
                    help="with --patched: print the N largest groups of memory live at a "
                         "step's peak, by allocating frame")
@@ -279,8 +283,11 @@ def run_patched(dtype: torch.dtype, args, config, pk_hf) -> list[dict]:
                 ms = cuda_ms(step, args.warmup, args.iters)
                 row.update(ms=ms, tok_s=ids.numel() / (ms * 1e-3),
                            peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / 2**30)
-                if args.profile:
-                    row["kernels"] = kernel_profile(step, args.profile)
+                if args.profile or args.breakdown:
+                    kernels = kernel_profile(step, None)
+                    row["kernels"] = kernels[:args.profile]
+                    if args.breakdown:
+                        row["breakdown"] = breakdown(kernels)
                 if args.memory_trace:
                     row["memory_at_peak"] = memory_at_peak(step, args.memory_trace)
         except Exception as exc:  # e.g. a peer that does not support this transformers
@@ -290,15 +297,17 @@ def run_patched(dtype: torch.dtype, args, config, pk_hf) -> list[dict]:
                                 f"peak {row['peak_gib']:.2f} GiB beyond the weights"), flush=True)
         for name, ms, calls in row.get("kernels", []):
             print(f"      {ms:8.2f} ms {calls:5d}x  {name}")
+        if "breakdown" in row:
+            print("      GPU ms by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in row["breakdown"].items()))
         for name, mib, blocks in row.get("memory_at_peak", []):
             print(f"      {mib:8.1f} MiB {blocks:5d}x  {name}")
     return rows
 
 
-def kernel_profile(step, top: int) -> list[tuple[str, float, int]]:
-    """The ``top`` GPU kernels of one ``step`` by device time: (name, ms, launches), from
-    torch's profiler (kernel names cut to 90 characters), so that a step's gap to another
-    can be traced to the layers that make it."""
+def kernel_profile(step, top: int | None) -> list[tuple[str, float, int]]:
+    """The ``top`` GPU kernels of one ``step`` by device time (all with None): (name, ms,
+    launches), from torch's profiler (kernel names cut to 90 characters), so that a step's
+    gap to another can be traced to the layers that make it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -311,6 +320,27 @@ def kernel_profile(step, top: int) -> list[tuple[str, float, int]]:
     total = (lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
     kernels.sort(key=total, reverse=True)
     return [(e.key[:90], total(e) / 1e3, e.count) for e in kernels[:top]]
+
+
+#: Kernel-name fragments (lower case) of each kind, first match wins: attention before
+#: matrix products, since cuDNN's attention kernels carry "gemm"-like names too.
+KINDS = (("attention", ("flash", "fmha", "attn", "sdpa", "cudnn")),
+         ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "sm90_", "sm80_")))
+
+
+def breakdown(kernels: list[tuple[str, float, int]]) -> dict[str, float]:
+    """ms of GPU time per kind of kernel (:data:`KINDS`, then "other": norms, rotary,
+    activations, the loss's softmax, casts and copies), and their sum. A patch that made
+    every "other" kernel free and kept the matrix products would still take at least
+    matmul + attention: that bounds the speedup a layer patch can give."""
+    out = {kind: 0.0 for kind, _ in KINDS}
+    out["other"] = 0.0
+    for name, ms, _ in kernels:
+        low = name.lower()
+        kind = next((k for k, frags in KINDS if any(f in low for f in frags)), "other")
+        out[kind] += ms
+    out["sum"] = sum(out.values())
+    return out
 
 
 #: Frames that name an allocation's owner in ``memory_at_peak`` (torch's own are skipped).
@@ -377,6 +407,20 @@ def patched_markdown(rows: list[dict], meta: dict) -> str:
         vs = f"{base['ms'] / r['ms']:.2f}" if base else "-"
         lines.append(f"| {r['dtype']} | {r['impl']} | {r['loss']:.4f} | {r['ms']:.1f} | "
                      f"{r['tok_s']:,.0f} | {vs} | {r['peak_gib']:.2f} |")
+    split = [r for r in rows if "breakdown" in r]
+    if split:
+        lines += ["", "GPU time of one step by kind of kernel (ms; torch's profiler):", "",
+                  "| model | matmul | attention | other | sum of kernels | step |",
+                  "|:--|--:|--:|--:|--:|--:|"]
+        for r in split:
+            b = r["breakdown"]
+            lines.append(f"| {r['impl']} | {b['matmul']:.2f} | {b['attention']:.2f} | "
+                         f"{b['other']:.2f} | {b['sum']:.2f} | {r['ms']:.2f} |")
+        if base is not None and "breakdown" in base:
+            floor = base["ms"] - base["breakdown"]["other"]
+            lines += ["", f"Unpatched step less all its other kernels: {floor:.2f} ms, "
+                          f"{base['ms'] / floor:.2f}x the unpatched step: the most a patch "
+                          "that keeps its matrix products and attention can give."]
     return "\n".join(lines) + "\n"
 
 
