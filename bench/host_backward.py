@@ -1,4 +1,4 @@
-"""Host time of one eager flash_attn backward call, in pieces, on an NVIDIA GPU.
+"""Host time of one eager flash_attn (or layer_norm) backward call, in pieces, on an NVIDIA GPU.
 
 At short sequences an eager backward call can take longer on the host than its kernels take
 on the GPU (docs/performance.md, "Host time per call"). The problem here
@@ -18,9 +18,15 @@ call is host time: ``--iters`` calls, then one synchronize, median of five
   more there;
 - ``_backward``'s four allocations, and each of its three launches alone.
 
-    python bench/host_backward.py [--quick] [--shape 1x2x256x64] [--dtype bf16] [--full]
-        [--variant nvidia.hopper] [--rounds 3] [--iters 1000] [--json PATH]
-        [--set MODULE.NAME=VALUE ...]
+``--family layer_norm`` (shape MxN, default 8x4096) times a forward and backward as
+``host_per_call.py``'s row does (``torch.autograd.grad`` after a fresh forward), ours against
+torch's and a trivial Python Function's, then the pieces: the forward alone with grad, the
+grad alone of a kept forward, and our forward and backward stages on this thread and the
+backward on a helper thread.
+
+    python bench/host_backward.py [--quick] [--family flash_attn|layer_norm]
+        [--shape 1x2x256x64] [--dtype bf16] [--full] [--variant nvidia.hopper]
+        [--rounds 3] [--iters 1000] [--json PATH] [--set MODULE.NAME=VALUE ...]
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import threading
 
 import torch
 
+from portable_kernels import _replay
 from portable_kernels.kernels import flash_attn as fa
 
 import _common  # bench/, beside this script
@@ -162,10 +169,75 @@ def cases(shape, dtype, causal: bool, variant: str, device: str = "cuda") -> dic
     }
 
 
+class _TrivialNorm(torch.autograd.Function):
+    """Saves what layer_norm's node saves (four tensors); its backward allocates and
+    launches nothing."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w, b, b)
+        return x.view_as(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        _, w, b, _ = ctx.saved_tensors
+        return grad, w, b
+
+
+def layer_norm_cases(shape, dtype, device: str = "cuda") -> dict:
+    """name -> a callable without arguments: layer_norm's forward and backward, whole and
+    in pieces (module docstring)."""
+    from portable_kernels.kernels import layer_norm as ln
+
+    m, n = shape
+    x = torch.randn(m, n, device=device).to(dtype).requires_grad_()
+    w, b = (torch.randn(n, device=device).to(dtype).requires_grad_() for _ in range(2))
+    dy = torch.randn(m, n, device=device).to(dtype)
+    leaves = (x, w, b)
+    ours = pk.get_kernel("layer_norm")
+
+    def theirs(x, w, b):
+        return torch.nn.functional.layer_norm(x, (n,), w, b)
+
+    def both(fn):
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, dy)
+
+    def grad_of(out):
+        return lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)
+
+    plan = ours.plan(x, w, b)
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    _, rows, mean, rstd = ln._forward(plan, xd, wd, bd, 1e-5)
+
+    def forward_stage():
+        return _replay.stage(plan, ln._forward, (), xd, wd, bd, 1e-5)
+
+    def backward_stage():
+        return _replay.stage(plan, ln._backward, (), dy, rows, wd, mean, rstd)
+
+    helper = Helper()
+    return {
+        "trivial Python Function, forward and grad": both(_TrivialNorm.apply),
+        "torch, forward and grad": both(theirs),
+        "ours, forward and grad": both(ours),
+        "torch, forward with grad": lambda: theirs(*leaves),
+        "ours, forward with grad": lambda: ours(*leaves),
+        "torch, grad of a kept forward": grad_of(theirs(*leaves)),
+        "ours, grad of a kept forward": grad_of(ours(*leaves)),
+        "forward stage on this thread": forward_stage,
+        "backward stage on this thread": backward_stage,
+        "backward stage on a helper thread": lambda: helper(backward_stage),
+        "a no-op on a helper thread": lambda: helper(lambda: None),
+    }
+
+
 def main() -> None:
     parser = _common.options(__doc__.split("\n\n")[0], "one round of 100 calls per piece",
                              vendor=False)
-    parser.add_argument("--shape", default="1x2x256x64", help="BxHxNxD (default: 1x2x256x64)")
+    parser.add_argument("--family", default="flash_attn", choices=("flash_attn", "layer_norm"))
+    parser.add_argument("--shape", default=None,
+                        help="BxHxNxD (default: 1x2x256x64), or MxN for layer_norm (8x4096)")
     parser.add_argument("--dtype", default="bf16", help="fp16 or bf16 (default: bf16)")
     parser.add_argument("--full", action="store_true", help="full attention (default: causal)")
     parser.add_argument("--variant", default="nvidia.hopper")
@@ -178,15 +250,23 @@ def main() -> None:
         args.rounds, args.iters = 1, 100
     info = _common.nvidia_gpu("bench/host_backward.py", "our backward's host time against cuDNN's",
                        "tests/test_flash_attn.py")
+    if args.shape is None:
+        args.shape = "8x4096" if args.family == "layer_norm" else "1x2x256x64"
     shape = tuple(int(x) for x in args.shape.split("x"))
     dtype = _common.dtypes(args.dtype)[0]
-    table = cases(shape, dtype, not args.full, args.variant)
+    if args.family == "layer_norm":
+        table = layer_norm_cases(shape, dtype)
+    else:
+        table = cases(shape, dtype, not args.full, args.variant)
     names = list(table)
     timings: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in rotated(names, r):
             timings[name].append(_common.per_call_us(table[name], args.iters))
-    print(f"# host µs per call, {args.shape} {dtype} {'full' if args.full else 'causal'}, "
+    what = f"{args.family} {args.shape} {dtype}"
+    if args.family == "flash_attn":
+        what += " full" if args.full else " causal"
+    print(f"# host µs per call, {what}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds "
           f"(rotating order), {args.iters} calls then one synchronize, median of 5")
     width = max(map(len, names))

@@ -517,6 +517,19 @@ def test_host_backward_cases_run(device):
     assert len(table) == 11 + (device.type == "cuda")
 
 
+def test_host_backward_layer_norm_cases_run(device):
+    """``--family layer_norm``: every case runs, and ours gives torch's gradients (the
+    pieces time what the row computes)."""
+    bench = _load("host_backward")
+    table = bench.layer_norm_cases((4, 64), torch.float32, device=device.type)
+    for fn in table.values():
+        fn()
+    ours, theirs = table["ours, forward and grad"](), table["torch, forward and grad"]()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert len(table) == 11
+
+
 def test_memory_trace_groups_what_is_live_at_the_peak():
     """transformers_model's --memory-trace: a trace's allocations and frees replayed to the
     largest total; blocks freed before it, or allocated after it, are not in the groups."""
