@@ -406,8 +406,9 @@ class _Recorder(TorchDispatchMode):
         meta = getattr(entry.kernel, "metadata", None)
         if getattr(meta, "profile_scratch_size", 0):
             raise _Unrecordable("a kernel takes Triton's profile scratch")
-        # Global scratch (device-side tensor descriptors): Triton's launcher allocates it per
-        # launch through the allocator the family lends it, as the replay does (below).
+        # Global scratch (device-side tensor descriptors): a backend's launcher finds its
+        # own; Triton's allocates it per launch through the allocator the family lends it,
+        # as the replay then does (below).
         scratch = bool(getattr(meta, "global_scratch_size", 0))
         n = launcher.n_tensors
         refs = [self._ref(t) for t in args[:n]]
@@ -415,7 +416,7 @@ class _Recorder(TorchDispatchMode):
         g = grid(entry.meta) if callable(grid) else grid
         g = (int(g[0]), int(g[1]) if len(g) > 1 else 1, int(g[2]) if len(g) > 2 else 1)
         binary = None
-        if launcher.binary is not None and not scratch:
+        if launcher.binary is not None:
             # Without guards: the signature already fixes every dtype and alignment.
             binary = launcher._binary_launch(entry.kernel, ())
         self.steps.append(("direct", binary, entry.kernel, g, refs, scalars, entry.tail,

@@ -41,9 +41,13 @@ def _kernel(**meta):
 
 
 @pytest.mark.parametrize("meta", [{"num_ctas": 2}, {"global_scratch_size": 128},
+                                  {"global_scratch_size": 128, "global_scratch_align": 1024},
                                   {"profile_scratch_size": 64}, {"launch_pdl": True},
                                   {"launch_cooperative_grid": True}, {"tensordesc_meta": [{}]}])
-def test_kernels_needing_what_it_leaves_out_keep_tritons_launcher(meta):
+def test_kernels_needing_what_it_leaves_out_keep_tritons_launcher(meta, monkeypatch):
+    """(Global scratch: off by default, and never past the allocator's alignment.)"""
+    if "global_scratch_align" in meta:
+        monkeypatch.setenv("PK_C_LAUNCHER_SCRATCH", "1")
     assert launcher.make(_kernel(**meta)) is None
 
 
@@ -105,6 +109,36 @@ def test_guards_decline_other_dtypes_and_alignments():
         _module().Launcher(0, 0, 128, 0, "iP", ((torch.float16, True),))
 
 
+def test_global_scratch_is_kept_per_stream_and_fresh_while_capturing():
+    """Device-side descriptors' global scratch: one buffer per (device, stream), reused
+    while it is large enough, grown to at least twice its size when not; under a CUDA graph
+    capture a fresh buffer per launch, the kept ones left alone (no graph holds an address
+    that eager launches reuse)."""
+    mod = _module()
+    made = []
+
+    def allocate(nbytes):
+        made.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    dev, stream = 97, 0x5000  # a device and stream no real launch uses
+    first = mod.scratch(allocate, dev, stream, 100, False)
+    assert mod.scratch(allocate, dev, stream, 60, False) == first and made == [100]
+    grown = mod.scratch(allocate, dev, stream, 150, False)
+    assert made == [100, 200] and (dev, stream, 200) in mod.kept()
+    assert mod.scratch(allocate, dev, stream, 200, False) == grown
+    assert mod.scratch(allocate, dev, stream + 1, 10, False) != grown  # another stream
+    assert made == [100, 200, 10]
+    for _ in range(2):
+        mod.scratch(allocate, dev, stream, 50, True)
+    assert made == [100, 200, 10, 50, 50] and (dev, stream, 200) in mod.kept()
+    assert mod.scratch(allocate, dev, stream, 200, False) == grown
+    with pytest.raises(RuntimeError, match="null buffer"):
+        mod.scratch(lambda n: torch.empty(0), dev, stream, 10_000, False)
+    with pytest.raises(TypeError, match="bytes_per_program, allocate"):
+        mod.Launcher(0, 0, 128, 0, "P", (), (128, None))
+
+
 def test_a_call_with_the_wrong_argument_count_names_them():
     launch = _module().Launcher(0, 0, 128, 0, "PiC")
     with pytest.raises(TypeError, match="grid x, y, z, stream, then 3 kernel arguments"):
@@ -160,7 +194,101 @@ def test_family_calls_go_through_it_on_the_gpu(device, gen):
     for _ in range(3):
         out = add(x, y)
     torch.testing.assert_close(out, (x.float() + y.float()).half())
-    plans = set(add._cache.values())
-    entries = [e for p in plans for d in p._tuned.values() if isinstance(d, _direct.DirectLaunch)
-               for e in d.entries.values()]
+    assert _entries(add) and all(e.launch is not None for e in _entries(add))
+
+
+def _entries(handle) -> list:
+    return [e for p in set(handle._cache.values()) for d in p._tuned.values()
+            if isinstance(d, _direct.DirectLaunch) for e in d.entries.values()]
+
+
+def test_attention_calls_go_through_it_on_the_gpu(device, gen, monkeypatch, request):
+    """flash_attn and flash_attn_varlen on an NVIDIA GPU: every binary a call launches goes
+    through the C launcher, those building device-side descriptors (global scratch) too,
+    with the results of the reference."""
+    if device.type != "cuda" or torch.version.cuda is None or not launcher.available():
+        pytest.skip("the C launcher runs on NVIDIA GPUs under Triton 3.6 only")
+    from portable_kernels.kernels import flash_attn_varlen as fv
+
+    from portable_kernels import plugins
+
+    monkeypatch.setenv("PK_C_LAUNCHER_SCRATCH", "1")
+    # Plans made before hold launchers made without it; those made here must not outlive it.
+    plugins.host().clear_caches()
+    request.addfinalizer(plugins.host().clear_caches)
+    args, kwargs = fv.inputs("100+300+7x8x64", torch.float16, device)
+    varlen = pk.get_kernel("flash_attn_varlen")
+    for _ in range(3):
+        out = varlen(*args, **kwargs)
+    want = fv.reference(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                          for a in args), **kwargs)
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    attn = pk.get_kernel("flash_attn")
+    q, k, v = (torch.randn(1, 8, 2048, 128, generator=gen).to(device, torch.bfloat16)
+               for _ in range(3))
+    for _ in range(3):
+        attn(q, k, v, causal=True)
+    entries = _entries(varlen) + _entries(attn)
     assert entries and all(e.launch is not None for e in entries)
+    scratch = [e for e in entries if getattr(e.kernel.metadata, "global_scratch_size", 0)]
+    print(f"{len(scratch)} of {len(entries)} binaries take global scratch")
+
+
+@triton.jit
+def _tile_copy(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # A device-side descriptor per program: the kernel takes Triton's global scratch.
+    desc = tl.make_tensor_descriptor(x_ptr, shape=[n, BLOCK], strides=[BLOCK, 1],
+                                     block_shape=[BLOCK, BLOCK])
+    pid = tl.program_id(0)
+    tile = desc.load([pid * BLOCK, 0])
+    offs = pid * BLOCK + tl.arange(0, BLOCK)[:, None]
+    tl.store(out_ptr + offs * BLOCK + tl.arange(0, BLOCK)[None, :], tile * 2, mask=offs < n)
+
+
+def test_global_scratch_launches_eagerly_and_in_a_graph_on_the_gpu(device, gen, monkeypatch):
+    """A kernel building device-side descriptors, launched by the C launcher eagerly (the
+    stream's kept scratch), then captured into a CUDA graph (fresh scratch) and replayed
+    with new input values, beside eager launches on the same stream: the results of
+    Triton's launch."""
+    if device.type != "cuda" or torch.version.cuda is None or not launcher.available():
+        pytest.skip("the C launcher runs on NVIDIA GPUs under Triton 3.6 only")
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("device-side tensor descriptors need a Hopper GPU or newer")
+    from portable_kernels.kernels import _host
+
+    monkeypatch.setenv("PK_C_LAUNCHER_SCRATCH", "1")
+    n, block = 200, 32
+    grid = (triton.cdiv(n, block), 1, 1)
+    x = torch.randn(n, block, generator=gen).to(device)
+    out = torch.full_like(x, float("nan"))
+    with _host.scratch_allocator(device):
+        compiled = _tile_copy[grid[:1]](x, out, n, BLOCK=block)
+    assert compiled.metadata.global_scratch_size > 0
+    torch.testing.assert_close(out, x * 2)
+    launch = launcher.make(compiled, ((x.dtype, True), (out.dtype, True)))
+    assert launch is not None
+    stream = torch.cuda.current_stream().cuda_stream
+    out.fill_(float("nan"))
+    assert launch(*grid, stream, x, out, n, block) is True
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x * 2)
+    assert any(s == stream for _, s, _ in launcher.module().kept())
+
+    side = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(*grid, side.cuda_stream, x, out, n, block)  # warm on the capture's stream
+        side.synchronize()
+        with torch.cuda.graph(graph, stream=side):
+            launch(*grid, side.cuda_stream, x, out, n, block)
+    torch.cuda.current_stream().wait_stream(side)
+    other = torch.full_like(x, float("nan"))
+    for _ in range(3):
+        x.copy_(torch.randn(n, block, generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        launch(*grid, stream, x, other, n, block)  # eager, beside the replay
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, x * 2)
+        torch.testing.assert_close(other, x * 2)

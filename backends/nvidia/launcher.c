@@ -12,8 +12,18 @@
  *   'P' pointer: a tensor (its data_ptr()), an int, or None (null)
  *   'b' int8/bool  'h' int16  'i' int32  'l' int64  'B' uint8  'H' uint16  'I' uint32
  *   'L' uint64  'e' fp16  'E' bf16  'f' fp32  'd' fp64  'C' constexpr (not passed)
- * Two null pointers follow the kernel's own parameters: the global and profile scratch
- * buffers Triton 3.6 appends to every kernel (launcher.py declines kernels that use them).
+ * Two pointers follow the kernel's own parameters: the global and profile scratch buffers
+ * Triton 3.6 appends to every kernel. The profile one is null (launcher.py declines kernels
+ * that use it). The global one is null unless Launcher's scratch=(bytes_per_program,
+ * allocate) is given (device-side tensor descriptors are written there): then a launch
+ * needs grid x num_ctas x bytes_per_program bytes of it, taken from a buffer kept per
+ * (device, stream), because allocating it on every call through Triton's allocator costs
+ * more host time than the rest of the launch. allocate(nbytes) returns an object with
+ * data_ptr() (a torch tensor made on the launch's stream, which is the current one); a
+ * kept buffer is used only by launches on its stream, which run in order, and replaced
+ * (the old one freed to torch's allocator on the stream it was made on) when a launch needs
+ * more. While the stream is being captured into a CUDA graph, each launch takes a fresh
+ * buffer, as Triton's launcher does, so no graph holds an address eager launches reuse.
  *
  * libcuda is opened at the first launch, not at import, so the module loads (and its
  * packing can be tested through pack()) where no driver is installed.
@@ -35,6 +45,7 @@ typedef int (*ctx_set_fn)(void *ctx);
 typedef int (*device_get_fn)(int *device, int ordinal);
 typedef int (*primary_retain_fn)(void **ctx, int device);
 typedef int (*error_string_fn)(int code, const char **text);
+typedef int (*is_capturing_fn)(void *stream, int *status);
 
 static launch_fn cu_launch = NULL;
 static ctx_get_fn cu_ctx_get_current = NULL;
@@ -42,6 +53,7 @@ static ctx_set_fn cu_ctx_set_current = NULL;
 static device_get_fn cu_device_get = NULL;
 static primary_retain_fn cu_primary_ctx_retain = NULL;
 static error_string_fn cu_get_error_string = NULL;
+static is_capturing_fn cu_stream_is_capturing = NULL;
 static PyObject *data_ptr_name = NULL;
 static PyObject *dtype_name = NULL;
 
@@ -58,9 +70,11 @@ static int load_driver(void) {
   cu_ctx_set_current = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
   cu_device_get = (device_get_fn)dlsym(lib, "cuDeviceGet");
   cu_primary_ctx_retain = (primary_retain_fn)dlsym(lib, "cuDevicePrimaryCtxRetain");
+  cu_stream_is_capturing = (is_capturing_fn)dlsym(lib, "cuStreamIsCapturing");
   launch_fn launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
   if (launch == NULL || cu_ctx_get_current == NULL || cu_get_error_string == NULL ||
-      cu_ctx_set_current == NULL || cu_device_get == NULL || cu_primary_ctx_retain == NULL) {
+      cu_ctx_set_current == NULL || cu_device_get == NULL || cu_primary_ctx_retain == NULL ||
+      cu_stream_is_capturing == NULL) {
     PyErr_SetString(PyExc_RuntimeError, "portable_kernels launcher: libcuda.so.1 lacks cuLaunchKernel");
     return -1;
   }
@@ -92,8 +106,95 @@ typedef struct {
   Py_ssize_t n_guards;
   PyObject *dtypes[MAX_PARAMS];  /* owned references */
   char aligned[MAX_PARAMS];
+  unsigned long long scratch_bytes;  /* global scratch per program; 0: none */
+  PyObject *allocate;                /* owned; NULL without scratch */
   vectorcallfunc vectorcall;
 } Launcher;
+
+/* Global scratch kept per (device, stream), shared by every Launcher (launches on one stream
+ * run in order, so one buffer serves them all). Past MAX_KEPT streams the oldest entry is
+ * replaced. */
+#define MAX_KEPT 16
+
+typedef struct {
+  int device;
+  void *stream;
+  unsigned long long bytes;
+  uint64_t ptr;
+  PyObject *owner; /* NULL: the slot is free */
+} Kept;
+
+static Kept kept[MAX_KEPT];
+static int kept_next = 0;
+
+/* The address of a new buffer of nbytes from allocate(nbytes), its owner in *owner (a new
+ * reference); 0 with an error set. */
+static uint64_t allocate_scratch(PyObject *allocate, unsigned long long nbytes, PyObject **owner) {
+  PyObject *buf = PyObject_CallFunction(allocate, "K", nbytes);
+  if (buf == NULL)
+    return 0;
+  PyObject *p = PyObject_CallMethodNoArgs(buf, data_ptr_name);
+  if (p == NULL) {
+    Py_DECREF(buf);
+    return 0;
+  }
+  uint64_t ptr = PyLong_AsUnsignedLongLong(p);
+  Py_DECREF(p);
+  if (ptr == (uint64_t)-1 && PyErr_Occurred()) {
+    Py_DECREF(buf);
+    return 0;
+  }
+  if (ptr == 0 && nbytes > 0) {
+    Py_DECREF(buf);
+    PyErr_SetString(PyExc_RuntimeError, "launcher scratch: the allocator returned a null buffer");
+    return 0;
+  }
+  *owner = buf;
+  return ptr;
+}
+
+/* The global scratch address for a launch of nbytes on (device, stream). capturing: the
+ * stream is being captured (a fresh buffer, returned in *fresh to be dropped after the
+ * launch). 0 with an error set. */
+static uint64_t scratch_for(PyObject *allocate, int device, void *stream, unsigned long long nbytes,
+                            int capturing, PyObject **fresh) {
+  *fresh = NULL;
+  if (capturing)
+    return allocate_scratch(allocate, nbytes, fresh);
+  Kept *slot = NULL;
+  for (int i = 0; i < MAX_KEPT; ++i) {
+    if (kept[i].owner != NULL && kept[i].device == device && kept[i].stream == stream) {
+      slot = &kept[i];
+      break;
+    }
+  }
+  if (slot != NULL && slot->bytes >= nbytes)
+    return slot->ptr;
+  unsigned long long size = nbytes;
+  if (slot != NULL && size < 2 * slot->bytes)
+    size = 2 * slot->bytes; /* grow geometrically: a run of growing grids reallocates rarely */
+  PyObject *owner = NULL;
+  uint64_t ptr = allocate_scratch(allocate, size, &owner);
+  if (ptr == 0)
+    return 0;
+  if (slot == NULL) {
+    for (int i = 0; i < MAX_KEPT && slot == NULL; ++i)
+      if (kept[i].owner == NULL)
+        slot = &kept[i];
+    if (slot == NULL) {
+      slot = &kept[kept_next];
+      kept_next = (kept_next + 1) % MAX_KEPT;
+    }
+  }
+  PyObject *old = slot->owner;
+  slot->device = device;
+  slot->stream = stream;
+  slot->bytes = size;
+  slot->ptr = ptr;
+  slot->owner = owner;
+  Py_XDECREF(old); /* after the slot is whole: freeing may run Python code */
+  return ptr;
+}
 
 /* Whether args[i] is of the dtype and alignment the binary was compiled for; -1 on error. */
 static int guard_holds(const Launcher *self, Py_ssize_t i, PyObject *obj, uint64_t ptr) {
@@ -153,7 +254,7 @@ static int pack_int_exact(PyObject *obj, char kind, Slot *slot, Py_ssize_t index
 /* Fills slots/params from args; returns the number of parameters, -1 with an error set, or
  * -2 where a guard of self (may be NULL) does not hold. */
 static Py_ssize_t pack(const Launcher *self, const char *kinds, Py_ssize_t n_args,
-                       PyObject *const *args, Slot *slots, void **params) {
+                       PyObject *const *args, Slot *slots, void **params, uint64_t scratch) {
   Py_ssize_t n = 0;
   for (Py_ssize_t i = 0; i < n_args; ++i) {
     char kind = kinds[i];
@@ -207,8 +308,8 @@ static Py_ssize_t pack(const Launcher *self, const char *kinds, Py_ssize_t n_arg
     params[n] = slot;
     ++n;
   }
-  /* Triton 3.6's global and profile scratch pointers, null. */
-  slots[n].u64 = 0;
+  /* Triton 3.6's global scratch pointer, then the profile one (null). */
+  slots[n].u64 = scratch;
   params[n] = &slots[n];
   slots[n + 1].u64 = 0;
   params[n + 1] = &slots[n + 1];
@@ -240,7 +341,7 @@ static PyObject *launcher_vectorcall(PyObject *callable, PyObject *const *args, 
     return NULL;
   Slot slots[MAX_PARAMS + 2];
   void *params[MAX_PARAMS + 2];
-  Py_ssize_t packed = pack(self, self->kinds, self->n_args, args + 4, slots, params);
+  Py_ssize_t packed = pack(self, self->kinds, self->n_args, args + 4, slots, params, 0);
   if (packed == -2)
     Py_RETURN_FALSE;
   if (packed < 0)
@@ -249,6 +350,19 @@ static PyObject *launcher_vectorcall(PyObject *callable, PyObject *const *args, 
     Py_RETURN_TRUE;
   if (load_driver() < 0)
     return NULL;
+  PyObject *fresh = NULL; /* a capture's scratch, dropped after its launch */
+  if (self->scratch_bytes) {
+    int status = 0;
+    /* An error (the legacy stream while another is captured globally) counts as capturing:
+     * the launch then takes a fresh buffer, which is always safe. */
+    int capturing = cu_stream_is_capturing(stream, &status) != 0 || status != 0;
+    unsigned long long nbytes =
+        (unsigned long long)grid[0] * grid[1] * grid[2] * self->scratch_bytes;
+    uint64_t ptr = scratch_for(self->allocate, self->device, stream, nbytes, capturing, &fresh);
+    if (ptr == 0)
+      return NULL;
+    slots[packed - 2].u64 = ptr;
+  }
   void *ctx = NULL;
   int rc = cu_ctx_get_current(&ctx);
   if (rc == 0 && ctx == NULL) {
@@ -265,6 +379,7 @@ static PyObject *launcher_vectorcall(PyObject *callable, PyObject *const *args, 
   if (rc == 0)
     rc = cu_launch(self->function, grid[0], grid[1], grid[2], self->block_x, 1, 1, self->shared,
                    stream, params, NULL);
+  Py_XDECREF(fresh);
   if (rc != 0) {
     const char *text = "unknown error";
     cu_get_error_string(rc, &text);
@@ -280,11 +395,23 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
   int device;
   const char *kinds;
   Py_ssize_t n_kinds;
-  PyObject *guards = NULL;
-  static char *names[] = {"function", "device", "block_x", "shared", "kinds", "guards", NULL};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiIIs#|O!", names, &function, &device, &block_x,
-                                   &shared, &kinds, &n_kinds, &PyTuple_Type, &guards))
+  PyObject *guards = NULL, *scratch = NULL;
+  static char *names[] = {"function", "device", "block_x", "shared", "kinds", "guards", "scratch",
+                          NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KiIIs#|O!O!", names, &function, &device,
+                                   &block_x, &shared, &kinds, &n_kinds, &PyTuple_Type, &guards,
+                                   &PyTuple_Type, &scratch))
     return NULL;
+  unsigned long long scratch_bytes = 0;
+  PyObject *allocate = NULL;
+  if (scratch != NULL) {
+    if (!PyArg_ParseTuple(scratch, "KO", &scratch_bytes, &allocate))
+      return NULL;
+    if (!PyCallable_Check(allocate)) {
+      PyErr_SetString(PyExc_TypeError, "scratch: a (bytes_per_program, allocate) pair");
+      return NULL;
+    }
+  }
   Py_ssize_t n_guards = guards == NULL ? 0 : PyTuple_GET_SIZE(guards);
   if (n_guards > n_kinds) {
     PyErr_SetString(PyExc_ValueError, "more guards than kernel parameters");
@@ -323,6 +450,8 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     Py_INCREF(self->dtypes[i]);
     self->aligned[i] = (char)PyObject_IsTrue(PyTuple_GET_ITEM(guard, 1));
   }
+  self->scratch_bytes = scratch_bytes;
+  self->allocate = scratch_bytes ? Py_NewRef(allocate) : NULL;
   self->vectorcall = launcher_vectorcall;
   return (PyObject *)self;
 }
@@ -331,6 +460,7 @@ static void launcher_dealloc(PyObject *obj) {
   Launcher *self = (Launcher *)obj;
   for (Py_ssize_t i = 0; i < self->n_guards; ++i)
     Py_DECREF(self->dtypes[i]);
+  Py_XDECREF(self->allocate);
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -343,7 +473,8 @@ static PyTypeObject LauncherType = {
     .tp_call = PyVectorcall_Call,
     .tp_new = launcher_new,
     .tp_dealloc = launcher_dealloc,
-    .tp_doc = "One compiled kernel's launch: Launcher(function, device, block_x, shared, kinds, guards=())",
+    .tp_doc = "One compiled kernel's launch: Launcher(function, device, block_x, shared, kinds, "
+              "guards=(), scratch=None)",
 };
 
 /* pack(kinds, *args) -> bytes: the parameter buffer a launch would pass, each parameter in
@@ -364,14 +495,49 @@ static PyObject *pack_for_test(PyObject *module, PyObject *const *args, Py_ssize
   Slot slots[MAX_PARAMS + 2];
   void *params[MAX_PARAMS + 2];
   memset(slots, 0, sizeof(slots));
-  Py_ssize_t n = pack(NULL, kinds, n_kinds, args + 1, slots, params);
+  Py_ssize_t n = pack(NULL, kinds, n_kinds, args + 1, slots, params, 0);
   if (n < 0)
     return NULL;
   return PyBytes_FromStringAndSize((const char *)slots, n * (Py_ssize_t)sizeof(Slot));
 }
 
+/* scratch(allocate, device, stream, nbytes, capturing) -> address: the global scratch a
+ * launch would take, through the kept buffers (for tests, no driver needed). */
+static PyObject *scratch_for_test(PyObject *module, PyObject *args) {
+  PyObject *allocate;
+  int device, capturing;
+  unsigned long long stream, nbytes;
+  if (!PyArg_ParseTuple(args, "OiKKp", &allocate, &device, &stream, &nbytes, &capturing))
+    return NULL;
+  PyObject *fresh = NULL;
+  uint64_t ptr = scratch_for(allocate, device, (void *)(uintptr_t)stream, nbytes, capturing, &fresh);
+  Py_XDECREF(fresh);
+  return ptr == 0 ? NULL : PyLong_FromUnsignedLongLong(ptr);
+}
+
+/* kept() -> [(device, stream, bytes)]: the kept buffers (for tests). */
+static PyObject *kept_for_test(PyObject *module, PyObject *unused) {
+  PyObject *out = PyList_New(0);
+  for (int i = 0; out != NULL && i < MAX_KEPT; ++i) {
+    if (kept[i].owner == NULL)
+      continue;
+    PyObject *entry = Py_BuildValue("(iKK)", kept[i].device, (unsigned long long)(uintptr_t)kept[i].stream,
+                                    kept[i].bytes);
+    if (entry == NULL || PyList_Append(out, entry) < 0) {
+      Py_XDECREF(entry);
+      Py_DECREF(out);
+      return NULL;
+    }
+    Py_DECREF(entry);
+  }
+  return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack_for_test, METH_FASTCALL, "pack(kinds, *args) -> bytes"},
+    {"scratch", scratch_for_test, METH_VARARGS,
+     "scratch(allocate, device, stream, nbytes, capturing) -> address"},
+    {"kept", kept_for_test, METH_NOARGS, "kept() -> [(device, stream, bytes)]"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,9 +13,16 @@ What it leaves out, and why that is safe where it runs:
 
 - the device-memory check of each pointer: the families check that every tensor is on the
   launching device before they launch (``_host.same_device`` and the checks beside it);
-- kernels that need global or profile scratch, clusters (``num_ctas > 1``), cooperative or
-  programmatic-dependent launches, tensor descriptors or tuple arguments: :func:`make`
+- kernels that need profile scratch, clusters (``num_ctas > 1``), cooperative or
+  programmatic-dependent launches, host tensor descriptors or tuple arguments: :func:`make`
   returns None for them and they keep Triton's launcher;
+- a fresh global scratch buffer per launch (device-side tensor descriptors are written
+  there): Triton's launcher allocates one through its allocator on every call; launcher.c
+  keeps one per stream, grown as launches need (launches on a stream run in order, so one
+  buffer serves them all), and takes a fresh one only while the stream is captured into a
+  CUDA graph. A stream's buffer lives as long as the process, at most twice the largest
+  request made on it. Off unless ``PK_C_LAUNCHER_SCRATCH=1`` until it has run on a GPU
+  (:func:`scratch_enabled`);
 - launch hooks (profilers): the core never launches directly while one is set.
 
 The module is built at its first use with Triton's own C build helper (the compiler Triton
@@ -46,6 +53,10 @@ _KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "B", "
           "u16": "H", "u32": "I", "u64": "L", "fp16": "e", "bf16": "E", "fp32": "f",
           "f32": "f", "fp64": "d", "constexpr": "C"}
 
+#: torch's caching allocator aligns every block to 512 bytes; a kernel asking more of its
+#: global scratch keeps Triton's launcher.
+SCRATCH_ALIGN = 512
+
 _lock = threading.Lock()
 _module: Any = None
 _failed = False
@@ -54,6 +65,13 @@ _failed = False
 def available() -> bool:
     """Whether :func:`make` may be used: a verified Triton, not turned off."""
     return triton.__version__.startswith(VERIFIED) and os.environ.get("PK_C_LAUNCHER", "1") != "0"
+
+
+def scratch_enabled() -> bool:
+    """Whether kernels taking global scratch launch through launcher.c (``PK_C_LAUNCHER_SCRATCH=1``;
+    read when a binary's launcher is made). Off by default: its kept per-stream buffers
+    have passed the CPU tests (``tests/test_nvidia_launcher.py``) but not yet run on a GPU."""
+    return os.environ.get("PK_C_LAUNCHER_SCRATCH", "0") == "1"
 
 
 def kinds(signature: dict) -> str | None:
@@ -98,9 +116,12 @@ def make(kernel: Any, guards: tuple = ()) -> Callable[..., bool] | None:
     ``guards``: a ``(dtype, aligned)`` pair per leading tensor argument, checked at each
     call (launch returns False, launching nothing, where one does not hold)."""
     meta = kernel.metadata
-    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "global_scratch_size", 0)
-            or getattr(meta, "profile_scratch_size", 0) or getattr(meta, "tensordesc_meta", None)
-            or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)):
+    scratch = getattr(meta, "global_scratch_size", 0)
+    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "profile_scratch_size", 0)
+            or getattr(meta, "tensordesc_meta", None) or getattr(meta, "launch_cooperative_grid", False)
+            or getattr(meta, "launch_pdl", False)
+            or (scratch and (not scratch_enabled()
+                             or getattr(meta, "global_scratch_align", 1) > SCRATCH_ALIGN))):
         return None
     signature = getattr(getattr(kernel, "src", None), "signature", None)
     spec = kinds(signature) if isinstance(signature, dict) else None
@@ -108,5 +129,14 @@ def make(kernel: Any, guards: tuple = ()) -> Callable[..., bool] | None:
     if mod is None:
         return None
     kernel.run  # loads the binary on the current device if it is not yet
-    return mod.Launcher(kernel.function, torch.cuda.current_device(), 32 * meta.num_warps,
-                        meta.shared, spec, tuple(guards))
+    device = torch.cuda.current_device()
+    extra = {"scratch": (scratch, _allocator(device))} if scratch else {}
+    return mod.Launcher(kernel.function, device, 32 * meta.num_warps, meta.shared, spec,
+                        tuple(guards), **extra)
+
+
+def _allocator(device: int) -> Callable[[int], torch.Tensor]:
+    """launcher.c's global scratch: bytes on ``device`` from torch's caching allocator, on
+    the current stream (the launch's)."""
+    where = torch.device("cuda", device)
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=where)
