@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import types
+import weakref
 
 import pytest
 import torch
@@ -133,6 +134,17 @@ def test_global_scratch_is_kept_per_stream_and_fresh_while_capturing():
         mod.scratch(allocate, dev, stream, 50, True)
     assert made == [100, 200, 10, 50, 50] and (dev, stream, 200) in mod.kept()
     assert mod.scratch(allocate, dev, stream, 200, False) == grown
+    # Past 16 (device, stream) pairs the oldest buffers are replaced (and freed).
+    alive = []
+
+    def tracked(nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        alive.append(weakref.ref(t))
+        return t
+
+    for s in range(40):
+        mod.scratch(tracked, dev + 1, 0x9000 + s, 64, False)
+    assert len(mod.kept()) <= 16 and sum(r() is not None for r in alive) <= 16
     with pytest.raises(RuntimeError, match="null buffer"):
         mod.scratch(lambda n: torch.empty(0), dev, stream, 10_000, False)
     with pytest.raises(TypeError, match="bytes_per_program, allocate"):
