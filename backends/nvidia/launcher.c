@@ -156,18 +156,19 @@ static uint64_t allocate_scratch(PyObject *allocate, unsigned long long nbytes, 
 /* The global scratch address for a launch of nbytes on (device, stream). capturing: the
  * stream is being captured (a fresh buffer, returned in *fresh to be dropped after the
  * launch). 0 with an error set. */
+static Kept *kept_slot(int device, void *stream) {
+  for (int i = 0; i < MAX_KEPT; ++i)
+    if (kept[i].owner != NULL && kept[i].device == device && kept[i].stream == stream)
+      return &kept[i];
+  return NULL;
+}
+
 static uint64_t scratch_for(PyObject *allocate, int device, void *stream, unsigned long long nbytes,
                             int capturing, PyObject **fresh) {
   *fresh = NULL;
   if (capturing)
     return allocate_scratch(allocate, nbytes, fresh);
-  Kept *slot = NULL;
-  for (int i = 0; i < MAX_KEPT; ++i) {
-    if (kept[i].owner != NULL && kept[i].device == device && kept[i].stream == stream) {
-      slot = &kept[i];
-      break;
-    }
-  }
+  Kept *slot = kept_slot(device, stream);
   if (slot != NULL && slot->bytes >= nbytes)
     return slot->ptr;
   unsigned long long size = nbytes;
@@ -177,6 +178,10 @@ static uint64_t scratch_for(PyObject *allocate, int device, void *stream, unsign
   uint64_t ptr = allocate_scratch(allocate, size, &owner);
   if (ptr == 0)
     return 0;
+  /* The allocator ran Python code, where another thread may have changed the slots: look
+   * again. (A buffer replaced under another thread's launch is freed to torch's allocator
+   * on its own stream, which reuses it only after that launch.) */
+  slot = kept_slot(device, stream);
   if (slot == NULL) {
     for (int i = 0; i < MAX_KEPT && slot == NULL; ++i)
       if (kept[i].owner == NULL)
