@@ -98,7 +98,7 @@ def test_what_it_cannot_do_is_refused_by_name(gen, device, call, kwargs, arg):
         args = (q[0], k[0], k[0], *(torch.tensor([0, 2], dtype=torch.int32, device=device),) * 2, 2, 2)
     else:
         args = (q, k, k)
-    with pytest.raises(errors.ArgumentError, match=f"{arg}=.* is not supported"):
+    with pytest.raises(errors.ArgumentError, match=f"{arg} is not supported"):
         getattr(fa2, call)(*args, **kwargs)
 
 

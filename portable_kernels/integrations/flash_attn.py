@@ -43,10 +43,11 @@ _NONDETERMINISTIC, _DETERMINISTIC = "nvidia.hopper_gluon", "nvidia.hopper"
 
 
 def _refuse(name: str, **unsupported) -> None:
-    """An error naming the first argument set to what these functions cannot do."""
-    for arg, (value, why) in unsupported.items():
-        if value:
-            raise ArgumentError(f"{name}: {arg}={value!r} is not supported ({why})")
+    """An error naming the first argument given (``(given, why)`` per argument) that these
+    functions cannot honour."""
+    for arg, (given, why) in unsupported.items():
+        if given:
+            raise ArgumentError(f"{name}: {arg} is not supported ({why})")
 
 
 def _deterministic(deterministic: bool, *args, **kwargs):
@@ -60,7 +61,7 @@ def _deterministic(deterministic: bool, *args, **kwargs):
 
 
 def _check_dropout(name: str, dropout_p: float) -> None:
-    _refuse(name, dropout_p=(dropout_p, "no attention dropout: pass 0.0"))
+    _refuse(name, dropout_p=(dropout_p != 0, f"got {dropout_p}; no attention dropout: pass 0.0"))
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
