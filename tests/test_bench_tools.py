@@ -530,6 +530,25 @@ def test_host_backward_layer_norm_cases_run(device):
     assert len(table) == 11
 
 
+def test_breakdown_sorts_a_steps_kernels_by_kind_and_bounds_a_patch():
+    """transformers_model's --breakdown: cuDNN's attention is attention though its name
+    says sm90 (attention is matched first), cuBLAS/nvjet and our matmul are products, the
+    rest is other; the bound is the unpatched step less its other kernels."""
+    bench = _load("transformers_model")
+    b = bench.breakdown([("sm90_xmma_gemm_bf16bf16", 20.0, 5), ("nvjet_tst_128x256", 10.0, 3),
+                         ("cudnn_generated_fort_native_sdpa_sm90_flash", 4.0, 8),
+                         ("_flash_attn_fwd_kernel", 1.0, 8), ("_matmul_kernel", 2.0, 1),
+                         ("_rms_norm_fwd", 3.0, 17), ("void at::native::elementwise", 5.0, 40)])
+    assert b == {"attention": 5.0, "matmul": 32.0, "other": 8.0, "sum": 45.0}
+    meta = {"model": "m", "device": "d", "torch": "t", "triton": "x", "transformers": "y",
+            "batch": 1, "seq": 2}
+    rows = [{"dtype": "bf16", "impl": "unpatched (SDPA)", "loss": 1.0, "ms": 50.0, "tok_s": 1.0,
+             "peak_gib": 1.0, "breakdown": b}]
+    text = bench.patched_markdown(rows, meta)
+    assert "| unpatched (SDPA) | 32.00 | 5.00 | 8.00 | 45.00 | 50.00 |" in text
+    assert "42.00 ms, 1.19x the unpatched step" in text
+
+
 def test_memory_trace_groups_what_is_live_at_the_peak():
     """transformers_model's --memory-trace: a trace's allocations and frees replayed to the
     largest total; blocks freed before it, or allocated after it, are not in the groups."""
